@@ -1,0 +1,54 @@
+"""meshpipe: pipeline-parallel training for PyTorch on one shared DeviceMesh.
+
+Public names are loaded lazily so that ``import meshpipe`` (and ``meshpipe.schedule`` /
+``meshpipe.sim``) never imports torch until a torch-backed name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    # schedule layer (no torch)
+    "Op": "meshpipe.schedule.ir",
+    "Action": "meshpipe.schedule.ir",
+    "Schedule": "meshpipe.schedule.ir",
+    "get_schedule": "meshpipe.schedule.registry",
+    "schedule_names": "meshpipe.schedule.registry",
+    "validate": "meshpipe.schedule.validate",
+    # simulation (no torch)
+    "Cost": "meshpipe.sim.simulate",
+    "Timeline": "meshpipe.sim.simulate",
+    "simulate": "meshpipe.sim.simulate",
+    # errors
+    "MeshpipeError": "meshpipe.errors",
+    "ScheduleError": "meshpipe.errors",
+    "SimulationError": "meshpipe.errors",
+    "SplitError": "meshpipe.errors",
+    "PipelineError": "meshpipe.errors",
+    "CommTimeoutError": "meshpipe.errors",
+    "RemoteStageError": "meshpipe.errors",
+    # runtime (torch)
+    "init_mesh": "meshpipe.runtime.topology",
+    "Pipeline": "meshpipe.runtime.pipeline",
+}
+_SUBMODULES = {"schedule", "sim", "runtime", "testing", "errors", "cli"}
+
+__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"meshpipe.{name}")
+    raise AttributeError(f"module 'meshpipe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

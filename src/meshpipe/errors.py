@@ -1,0 +1,69 @@
+"""Exception types of meshpipe; each subclasses a builtin and carries the values that broke the rule."""
+
+from __future__ import annotations
+
+__all__ = [
+    "MeshpipeError",
+    "ScheduleError",
+    "SimulationError",
+    "SplitError",
+    "PipelineError",
+    "CommTimeoutError",
+    "RemoteStageError",
+]
+
+
+class MeshpipeError(Exception):
+    """Base class of every error raised by meshpipe."""
+
+
+class ScheduleError(MeshpipeError, ValueError):
+    """A schedule breaks a rule; ``rank``, ``position`` and ``action`` say where (None if n/a)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        position: int | None = None,
+        action: object | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.position = position
+        self.action = action
+
+
+class SimulationError(MeshpipeError, RuntimeError):
+    """The simulator could not finish a schedule (for instance it deadlocks)."""
+
+
+class SplitError(MeshpipeError, ValueError):
+    """A model cannot be split at the requested points."""
+
+
+class PipelineError(MeshpipeError, ValueError):
+    """Bad input to a Pipeline (raised identically on every rank, before any communication)."""
+
+
+class CommTimeoutError(MeshpipeError, TimeoutError):
+    """A communication wait ran past its timeout; carries what was awaited."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        action: str | None = None,
+        mb: int | None = None,
+        peer: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.action = action
+        self.mb = mb
+        self.peer = peer
+
+
+class RemoteStageError(MeshpipeError, RuntimeError):
+    """Another rank of the pipeline failed; this rank stopped instead of waiting forever."""

@@ -1,0 +1,7 @@
+"""Schedules as values: the IR, generators, validation and text form. Imports no torch."""
+
+from meshpipe.schedule.ir import Action, Op, Schedule
+from meshpipe.schedule.registry import get_schedule, register, schedule_names
+from meshpipe.schedule.validate import validate
+
+__all__ = ["Action", "Op", "Schedule", "get_schedule", "register", "schedule_names", "validate"]

@@ -1,0 +1,252 @@
+"""The schedule IR: Op, Action and the immutable Schedule value, with its text form."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from meshpipe.errors import ScheduleError
+
+__all__ = ["Op", "Action", "Schedule"]
+
+
+class Op(str, Enum):
+    """Kind of a pipeline action: forward, full backward, input-backward, weight-backward."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the glossary's name
+    W = "W"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    """One unit of work: run ``op`` of ``stage`` on microbatch ``mb``. Text form: ``2F0``."""
+
+    op: Op
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op.value}{self.mb}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Read an action from its text form, e.g. ``"1I3"``."""
+        m = _ACTION_RE.match(text.strip())
+        if m is None:
+            raise ScheduleError(
+                f"cannot read action {text!r}: expected STAGE OP MB such as '2F0' "
+                "with OP one of F, B, I, W"
+            )
+        return cls(Op(m.group(2)), int(m.group(1)), int(m.group(3)))
+
+
+def F(stage: int, mb: int) -> Action:  # noqa: N802 - short constructors read like the text form
+    """Forward action."""
+    return Action(Op.F, stage, mb)
+
+
+def B(stage: int, mb: int) -> Action:  # noqa: N802
+    """Full backward action."""
+    return Action(Op.B, stage, mb)
+
+
+def I(stage: int, mb: int) -> Action:  # noqa: N802, E743
+    """Input-only backward action."""
+    return Action(Op.I, stage, mb)
+
+
+def W(stage: int, mb: int) -> Action:  # noqa: N802
+    """Weight-only backward action."""
+    return Action(Op.W, stage, mb)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An immutable pipeline schedule: which actions each rank runs, in order.
+
+    ``placement[stage]`` is the rank that runs ``stage``; ``actions[rank]`` is that rank's
+    actions in execution order. Structural rules (ranges, placement) are checked on
+    construction; ordering and deadlock rules are checked by :func:`meshpipe.validate`.
+    """
+
+    num_ranks: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
+        object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
+        if self.num_ranks < 1:
+            raise ScheduleError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.num_microbatches < 1:
+            raise ScheduleError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if len(self.actions) != self.num_ranks:
+            raise ScheduleError(
+                f"actions has {len(self.actions)} rows but num_ranks is {self.num_ranks}"
+            )
+        num_stages = len(self.placement)
+        if num_stages == 0 or num_stages % self.num_ranks != 0:
+            raise ScheduleError(
+                f"num_stages ({num_stages}) must be a positive multiple of "
+                f"num_ranks ({self.num_ranks})"
+            )
+        per_rank = [0] * self.num_ranks
+        for stage, rank in enumerate(self.placement):
+            if not 0 <= rank < self.num_ranks:
+                raise ScheduleError(f"placement puts stage {stage} on rank {rank}, out of range")
+            per_rank[rank] += 1
+        if len(set(per_rank)) != 1:
+            raise ScheduleError(f"every rank must hold the same number of stages, got {per_rank}")
+        for rank, row in enumerate(self.actions):
+            for pos, a in enumerate(row):
+                if not isinstance(a, Action):
+                    raise ScheduleError(
+                        f"rank {rank} position {pos}: {a!r} is not an Action", rank=rank,
+                        position=pos,
+                    )
+                if not 0 <= a.stage < num_stages:
+                    raise ScheduleError(
+                        f"rank {rank} position {pos}: action {a} names stage {a.stage}, "
+                        f"but there are {num_stages} stages",
+                        rank=rank, position=pos, action=a,
+                    )
+                if not 0 <= a.mb < self.num_microbatches:
+                    raise ScheduleError(
+                        f"rank {rank} position {pos}: action {a} names microbatch {a.mb}, "
+                        f"but there are {self.num_microbatches} microbatches",
+                        rank=rank, position=pos, action=a,
+                    )
+                if self.placement[a.stage] != rank:
+                    raise ScheduleError(
+                        f"rank {rank} position {pos}: action {a} runs stage {a.stage}, which "
+                        f"is placed on rank {self.placement[a.stage]}",
+                        rank=rank, position=pos, action=a,
+                    )
+
+    # -- derived sizes ---------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages placed on ``rank``, in increasing order."""
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
+    @property
+    def uses_split_backward(self) -> bool:
+        """True if any action is an I or W (the zero-bubble split backward)."""
+        return any(a.op in (Op.I, Op.W) for row in self.actions for a in row)
+
+    @property
+    def is_inference(self) -> bool:
+        """True if the schedule has only forward actions."""
+        return all(a.op is Op.F for row in self.actions for a in row)
+
+    # -- text ------------------------------------------------------------------------
+    def to_text(self) -> str:
+        """One line per rank, actions separated by single spaces."""
+        return "\n".join(" ".join(str(a) for a in row) for row in self.actions) + "\n"
+
+    @classmethod
+    def from_text(
+        cls, text: str, *, num_microbatches: int | None = None, name: str = "custom"
+    ) -> Schedule:
+        """Read a schedule written one line per rank; ``#`` starts a comment line.
+
+        Placement is implied by the rank whose line runs a stage's actions. The number of
+        microbatches is one more than the largest mb named, unless given.
+        """
+        rows: list[list[Action]] = []
+        for lineno, raw in enumerate(text.splitlines(), start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            row = []
+            for tok in line.split():
+                try:
+                    row.append(Action.parse(tok))
+                except ScheduleError as e:
+                    raise ScheduleError(f"line {lineno}: {e}", rank=len(rows)) from None
+            rows.append(row)
+        if not rows:
+            raise ScheduleError("schedule text has no action lines")
+        owner: dict[int, int] = {}
+        for rank, row in enumerate(rows):
+            for pos, a in enumerate(row):
+                prev = owner.setdefault(a.stage, rank)
+                if prev != rank:
+                    raise ScheduleError(
+                        f"stage {a.stage} appears on rank {prev} and on rank {rank} "
+                        f"(position {pos}, action {a}); a stage runs on one rank",
+                        rank=rank, position=pos, action=a,
+                    )
+        num_stages = max(owner) + 1
+        missing = [s for s in range(num_stages) if s not in owner]
+        if missing:
+            raise ScheduleError(f"stages {missing} have no actions (stages run 0..{num_stages - 1})")
+        max_mb = max(a.mb for row in rows for a in row)
+        m = max_mb + 1 if num_microbatches is None else num_microbatches
+        return cls(
+            num_ranks=len(rows),
+            num_microbatches=m,
+            placement=tuple(owner[s] for s in range(num_stages)),
+            actions=tuple(tuple(r) for r in rows),
+            name=name,
+        )
+
+    # -- display ---------------------------------------------------------------------
+    def grid(self, marker: tuple[int, int] | None = None) -> str:
+        """The rank x position grid; ``marker=(rank, position)`` brackets one cell."""
+        width = max((len(str(a)) for row in self.actions for a in row), default=3) + 1
+        lines = [
+            f"{self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "
+            f"{self.num_microbatches} microbatches"
+        ]
+        for rank, row in enumerate(self.actions):
+            cells = []
+            for pos, a in enumerate(row):
+                txt = str(a)
+                if marker == (rank, pos):
+                    txt = f"[{txt}]"
+                cells.append(txt.ljust(width))
+            lines.append(f"rank {rank:>2} | " + "".join(cells).rstrip())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.grid()
+
+
+def make_schedule(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    placement: Sequence[int],
+    actions: Iterable[Iterable[Action]],
+) -> Schedule:
+    """Build a Schedule from lists (generators use this)."""
+    return Schedule(
+        num_ranks=num_ranks,
+        num_microbatches=num_microbatches,
+        placement=tuple(placement),
+        actions=tuple(tuple(r) for r in actions),
+        name=name,
+    )
