@@ -1,0 +1,260 @@
+"""The ``meshpipe`` command: one small function per subcommand, registered in COMMANDS.
+
+show, simulate and compare import no torch; later subcommands that need it import it
+inside their own function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from meshpipe.errors import MeshpipeError
+from meshpipe.schedule.ir import Schedule
+from meshpipe.schedule.registry import get_schedule, schedule_names
+from meshpipe.schedule.validate import validate
+from meshpipe.sim.simulate import Cost, CostValue, Timeline, simulate
+
+__all__ = ["main", "Command", "COMMANDS"]
+
+
+class CliError(Exception):
+    """A user error: printed as one line on stderr, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its help line, a function adding its arguments, and the function run."""
+
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# -- shared arguments and helpers ----------------------------------------------------
+
+
+def _add_schedule_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
+    if many:
+        p.add_argument("names", nargs="+", metavar="NAME", help="schedule names or text files")
+    else:
+        p.add_argument("name", metavar="NAME", help="schedule name, or a schedule text file")
+    p.add_argument("--ranks", type=int, help="number of pipeline ranks")
+    p.add_argument("--microbatches", type=int, help="number of microbatches")
+    p.add_argument("--stages-per-rank", type=int, default=None, help="stages on each rank")
+
+
+def _cost_value(text: str) -> CostValue:
+    """A number, or comma-separated numbers (one per stage)."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or comma-separated numbers, got {text!r}"
+        ) from None
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--f", type=_cost_value, default=1.0, help="forward cost (or one per stage)")
+    p.add_argument("--b", type=_cost_value, default=2.0, help="whole backward cost")
+    p.add_argument("--w", type=_cost_value, default=None, help="weight part of b (default b/2)")
+    p.add_argument("--p2p", type=float, default=0.0, help="time of one p2p transfer")
+
+
+def _load_schedule(name: str, args: argparse.Namespace) -> Schedule:
+    """A registered schedule of the requested size, or one read from a text file."""
+    if name.lower().strip() in schedule_names():
+        for flag in ("ranks", "microbatches"):
+            if getattr(args, flag) is None:
+                raise CliError(f"--{flag} is required for the named schedule {name!r}")
+        return get_schedule(name, args.ranks, args.microbatches, args.stages_per_rank)
+    if os.path.isfile(name):
+        with open(name, encoding="utf-8") as fh:
+            text = fh.read()
+        stem = os.path.splitext(os.path.basename(name))[0]
+        s = Schedule.from_text(text, num_microbatches=args.microbatches, name=stem)
+        if args.ranks is not None and args.ranks != s.num_ranks:
+            raise CliError(f"{name} has {s.num_ranks} rank lines but --ranks is {args.ranks}")
+        return s
+    raise CliError(
+        f"unknown schedule {name!r}: not a file, and known schedules are "
+        + ", ".join(schedule_names())
+    )
+
+
+def _cost_from_args(args: argparse.Namespace) -> Cost:
+    return Cost(f=args.f, b=args.b, w=args.w, p2p=args.p2p)
+
+
+def _fmt_peaks(t: Timeline) -> str:
+    return " ".join(str(p) for p in t.peak_activations)
+
+
+# -- show ----------------------------------------------------------------------------
+
+
+def _configure_show(p: argparse.ArgumentParser) -> None:
+    _add_schedule_args(p)
+    p.add_argument("--png", metavar="FILE", help="also draw the simulated timeline as a PNG")
+    p.add_argument("--trace", metavar="FILE", help="also write a Chrome trace (Perfetto)")
+    p.add_argument("--text", action="store_true", help="print the schedule's text form")
+    p.add_argument("--width", type=int, default=None, help="columns of the time chart")
+
+
+def _run_show(args: argparse.Namespace) -> int:
+    from meshpipe.sim.render import render_ascii, render_png, save_chrome_trace
+
+    s = _load_schedule(args.name, args)
+    if args.text:
+        print(s.to_text(), end="")
+        return 0
+    print(s)
+    print()
+    try:
+        validate(s)
+        print("validation: ok")
+    except MeshpipeError as e:
+        print(f"validation: FAILED: {str(e).splitlines()[0]}")
+    cost = Cost(f=1.0, b=2.0, w=1.0 if s.uses_split_backward else None)
+    t = simulate(s, cost)
+    print(f"simulated with f=1 b=2{' w=1' if s.uses_split_backward else ''} p2p=0:")
+    print(render_ascii(t, width=args.width))
+    if args.png:
+        render_png(t, args.png)
+        print(f"wrote {args.png}")
+    if args.trace:
+        save_chrome_trace(t, args.trace)
+        print(f"wrote {args.trace}")
+    return 0
+
+
+# -- simulate ------------------------------------------------------------------------
+
+
+def _configure_simulate(p: argparse.ArgumentParser) -> None:
+    _add_schedule_args(p)
+    _add_cost_args(p)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    s = _load_schedule(args.name, args)
+    cost = _cost_from_args(args)
+    t = simulate(s, cost)
+    print(
+        f"{s.name}: {s.num_ranks} ranks, {s.num_stages} stages "
+        f"({s.stages_per_rank} per rank), {s.num_microbatches} microbatches"
+    )
+    print(
+        f"cost: f={_fmt_cost(cost.f)} b={_fmt_cost(cost.b)} w={_fmt_cost(cost.w)} p2p={cost.p2p:g}"
+    )
+    print(f"makespan: {t.makespan:g}")
+    print(f"bubble fraction: {t.bubble_fraction:.4f}")
+    print(f"peak activations per rank: {_fmt_peaks(t)}")
+    return 0
+
+
+def _fmt_cost(v: CostValue | None) -> str:
+    if v is None:
+        return "b/2"
+    if isinstance(v, Sequence):
+        return ",".join(f"{x:g}" for x in v)
+    return f"{v:g}"
+
+
+# -- compare -------------------------------------------------------------------------
+
+
+def _configure_compare(p: argparse.ArgumentParser) -> None:
+    _add_schedule_args(p, many=True)
+    _add_cost_args(p)
+    p.add_argument(
+        "--costs-per-rank",
+        action="store_true",
+        help="read f/b/w as the cost of a rank's whole share and divide by stages per rank, "
+        "so schedules with more stages per rank do the same total work",
+    )
+
+
+def _compare_row(name: str, args: argparse.Namespace) -> list[str]:
+    try:
+        s = _load_schedule(name, args)
+        cost = _cost_from_args(args)
+        if args.costs_per_rank and s.stages_per_rank > 1:
+            cost = _scale_cost(cost, 1.0 / s.stages_per_rank)
+        t = simulate(s, cost)
+    except (CliError, ValueError, MeshpipeError, OSError) as e:
+        return [name, "-", "-", "-", f"refused: {str(e).splitlines()[0]}"]
+    return [
+        s.name,
+        str(s.stages_per_rank),
+        f"{t.makespan:g}",
+        f"{t.bubble_fraction:.4f}",
+        str(max(t.peak_activations, default=0)),
+    ]
+
+
+def _scale_cost(cost: Cost, k: float) -> Cost:
+    def scale(v: CostValue) -> CostValue:
+        return tuple(x * k for x in v) if isinstance(v, Sequence) else v * k
+
+    w = None if cost.w is None else scale(cost.w)
+    return replace(cost, f=scale(cost.f), b=scale(cost.b), w=w)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    header = ["schedule", "stages/rank", "makespan", "bubble", "max peak act"]
+    rows = [header] + [_compare_row(n, args) for n in args.names]
+    widths = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(header))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+# -- the table and main ----------------------------------------------------------------
+
+COMMANDS: dict[str, Command] = {
+    "show": Command(
+        "print a schedule's grid and its simulated timeline", _configure_show, _run_show
+    ),
+    "simulate": Command(
+        "simulate a schedule under given costs", _configure_simulate, _run_simulate
+    ),
+    "compare": Command("compare several schedules side by side", _configure_compare, _run_compare),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with one subparser per entry of COMMANDS."""
+    parser = argparse.ArgumentParser(prog="meshpipe", description="pipeline-parallel training")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.configure(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the meshpipe command; returns the exit status (2 for user errors)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse reports usage errors (2) and --help (0) this way
+        return e.code if isinstance(e.code, int) else 2
+    run: Callable[[argparse.Namespace], int] = args._run
+    try:
+        return run(args)
+    except (CliError, ValueError, MeshpipeError, OSError) as e:
+        print(
+            f"meshpipe: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            file=sys.stderr,
+        )
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The pure layers (schedule, sim, and the show/simulate CLI) never import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+CODE = textwrap.dedent(
+    """
+    import contextlib, io, sys
+    import meshpipe, meshpipe.schedule, meshpipe.sim
+    from meshpipe.sim import Cost, render_ascii, simulate
+    s = meshpipe.get_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    t = meshpipe.simulate(s, meshpipe.Cost(f=1.0, b=2.0))
+    assert render_ascii(simulate(s, Cost(f=1, b=2)))
+    assert t.makespan == 33
+    from meshpipe.cli import main
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["show", "1f1b", "--ranks", "2", "--microbatches", "4"]) == 0
+        assert main(["simulate", "gpipe", "--ranks", "2", "--microbatches", "4"]) == 0
+        assert main(["compare", "1f1b", "gpipe", "--ranks", "2", "--microbatches", "4"]) == 0
+    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+    print("TORCH:", loaded)
+    """
+)
+
+
+def test_pure_layers_do_not_import_torch() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "TORCH: []" in proc.stdout, proc.stdout
