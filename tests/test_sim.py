@@ -148,6 +148,13 @@ def test_values_are_frozen() -> None:
     assert t.schedule == get_schedule("1f1b", 2, 2)
 
 
+def test_numpy_costs_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    c = Cost(f=np.array([1.0, 3.0]), b=np.float64(2))
+    assert c.f == (1.0, 3.0) and c.b == 2.0
+    assert simulate(get_schedule("forward", 2, 4), c).makespan == 13
+
+
 # -- activations ---------------------------------------------------------------------------
 
 
@@ -266,10 +273,14 @@ def test_zbh1_cuts_idle_time_without_more_activations() -> None:
     cost = Cost(f=1, b=2, w=1)
     base = simulate(get_schedule("1f1b", 4, 8), cost)
     zb = simulate(get_schedule("zbh1", 4, 8), cost)
-    # ZB-H1's idle time is (p-1)(f + i - w) = 3 against 1F1B's (p-1)(f + b) = 9.
+    # Ideal ZB-H1 idles (p-1)(f + i - w) = 3 per rank against 1F1B's (p-1)(f + b) = 9, so
+    # idle time drops to 1/3; the fraction drops less (3/27 against 9/33, ratio 0.41).
     assert idle_time(zb) <= 0.4 * idle_time(base)
     assert zb.bubble_fraction < 0.5 * base.bubble_fraction
-    assert all(z <= o for z, o in zip(zb.peak_activations, base.peak_activations, strict=True))
+    # Memory is bounded by the busiest rank. Per rank it cannot hold: with activations held
+    # until W, the last rank limited to 1 (as in 1F1B) must run F I W back to back, and then
+    # the last gradient reaches rank 0 too late for a makespan under 30 (> 27 = ideal).
+    assert max(zb.peak_activations) <= max(base.peak_activations)
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 16)])

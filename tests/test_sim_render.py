@@ -63,7 +63,10 @@ def test_png_written(tmp_path: Path) -> None:
     one, two = tmp_path / "one.png", tmp_path / "two.png"
     render_png(t, one, title="1f1b")
     render_png(t, two, title="simulated", compare=other, compare_title="measured")
-    for path in (one, two):
+    v_shape = simulate(Schedule.from_text("0F0 3F0 3B0 0B0\n1F0 2F0 2B0 1B0\n"), Cost(1, 2))
+    three = tmp_path / "v.png"
+    render_png(v_shape, three)
+    for path in (one, two, three):
         data = path.read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 1000
 

@@ -8,7 +8,7 @@ finish plus ``Cost.p2p``. The dataflow itself lives in :mod:`meshpipe.schedule.r
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Real
 
@@ -23,10 +23,12 @@ CostValue = float | Sequence[float]
 
 def _as_cost(label: str, value: object) -> float | tuple[float, ...]:
     """A scalar or a non-empty tuple of finite numbers >= 0; ValueError naming ``label``."""
-    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
-        if len(value) == 0:
+    if isinstance(value, Iterable) and not isinstance(value, str | bytes):
+        # Any iterable of numbers (a list, a tuple, a numpy array) counts as one per stage.
+        values = tuple(_as_number(f"{label}[{i}]", v) for i, v in enumerate(value))
+        if not values:
             raise ValueError(f"Cost.{label} is an empty sequence; give a number or one per stage")
-        return tuple(_as_number(f"{label}[{i}]", v) for i, v in enumerate(value))
+        return values
     return _as_number(label, value)
 
 
