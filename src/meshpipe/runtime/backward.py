@@ -1,0 +1,174 @@
+"""Stage backward: full (B), and the zero-bubble split into input-only (I) and weight-only (W).
+
+The split walks the stage's autograd graph once. A node is *weight-only* when every path
+below it ends in a parameter. A *boundary* node is one that is not weight-only but has a
+weight-only child (a Linear's matmul: its activation input is not weight-only, its weight
+is). I computes the input gradients and captures the gradient that reaches each boundary
+node; the engine does not run the weight-only branches. W then runs each boundary node for
+its weight-only children only, and pushes those gradients down the weight-only subgraphs
+into ``param.grad``. Each node runs once in I or W, so I + W costs about one B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["backward_full", "backward_input", "WeightGrad"]
+
+
+Root = torch.Tensor | GradientEdge
+
+
+def _edge(root: Root) -> GradientEdge | None:
+    if isinstance(root, GradientEdge):
+        return root
+    if not root.requires_grad:
+        return None
+    return get_gradient_edge(root)
+
+
+def _with_grad(
+    outputs: Sequence[Root | None], grads: Sequence[torch.Tensor | None]
+) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+    edges, gs = [], []
+    for o, g in zip(outputs, grads):
+        e = None if o is None else _edge(o)
+        if e is not None and g is not None:
+            edges.append(e)
+            gs.append(g)
+    return edges, gs
+
+
+def backward_full(
+    outputs: Sequence[Root | None],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """Run the whole backward: accumulate ``param.grad`` and return the inputs' gradients.
+
+    ``outputs`` are tensors or their gradient edges (so output data can be freed early).
+    """
+    edges, gs = _with_grad(outputs, grads)
+    if edges:
+        torch.autograd.backward(edges, gs)  # type: ignore[arg-type]
+    return [x.grad if x.requires_grad else None for x in inputs]
+
+
+@dataclass
+class WeightGrad:
+    """The pending weight half of a split backward; :meth:`run` accumulates ``param.grad``."""
+
+    # per boundary node: the edges into it with their captured gradients,
+    # and the edges to its weight-only children
+    work: list[tuple[list[GradientEdge], list[torch.Tensor], list[GradientEdge]]] = field(
+        default_factory=list
+    )
+    params: list[torch.Tensor] = field(default_factory=list)
+
+    def run(self) -> None:
+        child_edges: list[GradientEdge] = []
+        child_grads: list[torch.Tensor] = []
+        for into, captured, children in self.work:
+            got = torch.autograd.grad(into, children, captured, allow_unused=True)
+            for e, g in zip(children, got):
+                if g is not None:
+                    child_edges.append(e)
+                    child_grads.append(g)
+        self.work.clear()
+        if child_edges:
+            pgrads = torch.autograd.grad(child_edges, self.params, child_grads, allow_unused=True)
+            for p, g in zip(self.params, pgrads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        self.params = []
+
+
+def _postorder(roots: Sequence[Node]) -> list[Node]:
+    order: list[Node] = []
+    seen: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                stack.append((child, False))
+    return order
+
+
+def _num_grad_inputs(node: Node) -> int:
+    meta = getattr(node, "_input_metadata", None)
+    return len(meta) if meta is not None else 1
+
+
+def backward_input(
+    outputs: Sequence[Root | None],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightGrad]:
+    """I: the inputs' gradients now, and a :class:`WeightGrad` to run later as W."""
+    outs, gs = _with_grad(outputs, grads)
+    params = [p for p in params if p.requires_grad]
+    if not outs:
+        return [None for _ in inputs], WeightGrad()
+    acc = {get_gradient_edge(p).node for p in params}
+    roots = [e.node for e in outs]
+    order = _postorder(roots)
+    weight_only: dict[Node, bool] = {}
+    for node in order:  # children before parents
+        if node in acc:
+            weight_only[node] = True
+            continue
+        kids = [c for c, _ in node.next_functions if c is not None]
+        weight_only[node] = bool(kids) and all(weight_only.get(c, False) for c in kids)
+    boundary: list[tuple[Node, list[GradientEdge]]] = []
+    for node in order:
+        if weight_only[node]:
+            continue
+        kids = [
+            GradientEdge(c, nr)
+            for c, nr in node.next_functions
+            if c is not None and weight_only[c]
+        ]
+        if kids:
+            boundary.append((node, kids))
+    # an output whose whole graph is weight-only (first stage): capture at the output itself
+    weight_roots = {r for r in roots if weight_only[r]}
+    capture: list[GradientEdge] = []
+    owners: list[int] = []
+    for i, (node, _) in enumerate(boundary):
+        for k in range(_num_grad_inputs(node)):
+            capture.append(GradientEdge(node, k))
+            owners.append(i)
+    need_inputs = [x for x in inputs if x.requires_grad]
+    wanted: list[torch.Tensor | GradientEdge] = [*need_inputs, *capture]
+    got: Sequence[torch.Tensor | None] = ()
+    if wanted:
+        got = torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True)
+    it = iter(got[: len(need_inputs)])
+    input_grads = [next(it) if x.requires_grad else None for x in inputs]
+    pending = WeightGrad(params=list(params))
+    per_node: dict[int, tuple[list[GradientEdge], list[torch.Tensor]]] = {}
+    for edge, owner, g in zip(capture, owners, got[len(need_inputs) :]):
+        if g is not None:
+            e, c = per_node.setdefault(owner, ([], []))
+            e.append(edge)
+            c.append(g)
+    for owner, (edges, captured) in per_node.items():
+        pending.work.append((edges, captured, boundary[owner][1]))
+    for e, g in zip(outs, gs):
+        if e.node in weight_roots:
+            kids = [GradientEdge(c, nr) for c, nr in e.node.next_functions if c is not None]
+            pending.work.append(([e], [g], kids))
+    return input_grads, pending

@@ -1,0 +1,112 @@
+"""The one interpreter: runs any valid Schedule's actions for this rank."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from meshpipe.runtime.microbatch import Microbatches
+from meshpipe.runtime.p2p import Comm
+from meshpipe.runtime.stage import LossRecord, StageRunner, as_stage_input
+from meshpipe.schedule.comm import Transfer, recv_of, send_of
+from meshpipe.schedule.ir import Action, Op, Schedule
+
+__all__ = ["ActionRecord", "CommPlan", "plan_comm", "run_actions"]
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRecord:
+    """Measured times of one action (seconds, perf_counter): start, inputs ready, end."""
+
+    action: Action
+    start: float
+    ready: float
+    end: float
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """What this rank receives from each peer (in posting order) and how many it sends."""
+
+    recvs: dict[int, list[Transfer]]
+    sends: dict[int, int]
+
+
+def plan_comm(schedule: Schedule, rank: int) -> CommPlan:
+    recvs: dict[int, list[Transfer]] = {}
+    sends: dict[int, int] = {}
+    for a in schedule.actions[rank]:
+        r = recv_of(schedule, a)
+        if r is not None:
+            recvs.setdefault(r[0], []).append(r[1])
+        s = send_of(schedule, a)
+        if s is not None:
+            sends[s[0]] = sends.get(s[0], 0) + 1
+    return CommPlan(recvs, sends)
+
+
+def run_actions(
+    schedule: Schedule,
+    rank: int,
+    stages: Mapping[int, StageRunner],
+    mbs: Microbatches,
+    comm: Comm,
+    training: bool,
+    actions: tuple[Action, ...] | None = None,
+) -> tuple[dict[int, LossRecord], list[ActionRecord]]:
+    """Execute this rank's actions in order; returns last-stage loss records and timings."""
+    placement = schedule.placement
+    last = schedule.num_stages - 1
+    shares = mbs.shares
+    acts: dict[tuple[int, int], Any] = {}  # local hand-offs: (dst stage, mb) -> value
+    grads: dict[tuple[int, int], Any] = {}
+    losses: dict[int, LossRecord] = {}
+    records: list[ActionRecord] = []
+    clock = time.perf_counter
+    for a in schedule.actions[rank] if actions is None else actions:
+        s, mb = a.stage, a.mb
+        st = stages[s]
+        t0 = clock()
+        if a.op is Op.F:
+            kwargs: dict[str, Any] = {}
+            if s == 0:
+                value: Any = mbs.args[mb]
+                kwargs = mbs.kwargs[mb]
+            elif placement[s - 1] == rank:
+                value = acts.pop((s, mb))
+                if training:
+                    value = as_stage_input(value)
+            else:
+                value = comm.recv(placement[s - 1], Transfer("act", s - 1, s, mb), str(a))
+            t1 = clock()
+            out = st.forward(mb, value, kwargs, mbs.targets[mb], shares[mb], training)
+            if s == last:
+                if training:
+                    losses[mb] = out
+            elif placement[s + 1] == rank:
+                acts[(s + 1, mb)] = out
+            else:
+                comm.send(placement[s + 1], Transfer("act", s, s + 1, mb), out)
+            del out, value
+        elif a.op is Op.W:
+            t1 = clock()
+            st.weight(mb)
+        else:
+            g: Any = None
+            if s < last:
+                if placement[s + 1] == rank:
+                    g = grads.pop((s, mb))
+                else:
+                    g = comm.recv(placement[s + 1], Transfer("grad", s + 1, s, mb), str(a))
+            t1 = clock()
+            in_grads = st.backward(mb, g, split=a.op is Op.I)
+            if s > 0:
+                if placement[s - 1] == rank:
+                    grads[(s - 1, mb)] = in_grads
+                else:
+                    comm.send(placement[s - 1], Transfer("grad", s, s - 1, mb), in_grads)
+            del g, in_grads
+        records.append(ActionRecord(a, t0, t1, clock()))
+    return losses, records

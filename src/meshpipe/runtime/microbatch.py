@@ -1,0 +1,113 @@
+"""Split a step's inputs into microbatches and merge outputs back (pytrees, uneven sizes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshpipe.errors import PipelineError
+from meshpipe.runtime.pytree import flatten, unflatten
+
+__all__ = ["Replicate", "REPLICATE", "Microbatches", "split_microbatches", "merge_outputs"]
+
+
+class Replicate:
+    """Chunk spec marker: give the argument to every microbatch unchanged."""
+
+    def __repr__(self) -> str:
+        return "REPLICATE"
+
+
+REPLICATE = Replicate()
+ChunkSpec = Mapping[int | str, int | Replicate]
+
+
+@dataclass(frozen=True)
+class Microbatches:
+    """Per-microbatch positional args, keyword args and targets, and each one's batch share."""
+
+    args: list[tuple[Any, ...]]
+    kwargs: list[dict[str, Any]]
+    targets: list[Any]
+    sizes: list[int]
+
+    @property
+    def shares(self) -> list[float]:
+        total = sum(self.sizes)
+        return [s / total for s in self.sizes]
+
+
+def _split_value(value: Any, num: int, dim: int | Replicate, where: str) -> list[Any]:
+    if isinstance(dim, Replicate):
+        return [value] * num
+    leaves, spec = flatten(value)
+    chunks: list[list[torch.Tensor]] = []
+    for i, t in enumerate(leaves):
+        if t.dim() == 0:
+            chunks.append([t] * num)
+            continue
+        d = dim if dim >= 0 else t.dim() + dim
+        if not 0 <= d < t.dim():
+            raise PipelineError(f"{where}: chunk dim {dim} out of range for a {t.dim()}-d tensor")
+        if t.shape[d] < num:
+            raise PipelineError(
+                f"{where}: tensor leaf {i} has size {t.shape[d]} on dim {d}, smaller than "
+                f"num_microbatches={num}; use a larger batch or fewer microbatches"
+            )
+        chunks.append(list(torch.tensor_split(t, num, dim=d)))
+    return [unflatten([c[k] for c in chunks], spec) for k in range(num)]
+
+
+def _batch_size(value: Any) -> int | None:
+    leaves, _ = flatten(value)
+    for t in leaves:
+        if t.dim() > 0:
+            return int(t.shape[0])
+    return None
+
+
+def split_microbatches(
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    target: Any,
+    num: int,
+    chunk_spec: ChunkSpec | None = None,
+) -> Microbatches:
+    """Split tensor leaves on dim 0 (or the chunk spec's dim) into ``num`` near-equal parts."""
+    spec = dict(chunk_spec or {})
+    per_arg = [_split_value(a, num, spec.get(i, 0), f"argument {i}") for i, a in enumerate(args)]
+    per_kw = {k: _split_value(v, num, spec.get(k, 0), f"argument {k!r}") for k, v in kwargs.items()}
+    targets = (
+        [None] * num if target is None else _split_value(target, num, spec.get("target", 0), "target")
+    )
+    sizes: list[int] = []
+    for k in range(num):
+        probe = targets[k] if target is not None else None
+        size = _batch_size(probe) if probe is not None else None
+        if size is None:
+            size = next(
+                (s for s in (_batch_size(a[k]) for a in per_arg) if s is not None), None
+            ) or next((s for s in (_batch_size(v[k]) for v in per_kw.values()) if s is not None), 1)
+        sizes.append(size)
+    return Microbatches(
+        args=[tuple(a[k] for a in per_arg) for k in range(num)],
+        kwargs=[{name: v[k] for name, v in per_kw.items()} for k in range(num)],
+        targets=targets,
+        sizes=sizes,
+    )
+
+
+def merge_outputs(outputs: Sequence[Any]) -> Any:
+    """Concatenate the tensor leaves of per-microbatch outputs on dim 0."""
+    if not outputs:
+        return None
+    flat = [flatten(o) for o in outputs]
+    _, spec = flat[0]
+    merged = []
+    for i in range(len(flat[0][0])):
+        parts = [leaves[i] for leaves, _ in flat]
+        merged.append(torch.cat(parts, dim=0) if parts[0].dim() > 0 else torch.stack(parts))
+    return unflatten(merged, spec)

@@ -1,0 +1,272 @@
+"""Pipeline: the user-facing object that runs a model's stages over the mesh's pp axis."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshpipe.errors import PipelineError, ScheduleError
+from meshpipe.runtime.executor import ActionRecord, CommPlan, plan_comm, run_actions
+from meshpipe.runtime.microbatch import ChunkSpec, merge_outputs, split_microbatches
+from meshpipe.runtime.p2p import Comm
+from meshpipe.runtime.pytree import flatten
+from meshpipe.runtime.reduce import reduce_grads, reduce_loss
+from meshpipe.runtime.stage import StageRunner
+from meshpipe.runtime.topology import Topology
+from meshpipe.schedule.ir import Op, Schedule
+from meshpipe.schedule.registry import get_schedule
+from meshpipe.schedule.validate import validate
+
+__all__ = ["Pipeline"]
+
+log = logging.getLogger(__name__)
+
+
+def _split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Module]:
+    """Split evenly by layer count; each part keeps the original child names ("3", "4", ...)."""
+    children = list(model.named_children())
+    if len(children) < num_stages:
+        raise PipelineError(
+            f"nn.Sequential has {len(children)} layers, fewer than the {num_stages} stages the "
+            "schedule needs; use fewer stages or pass a list of stage modules"
+        )
+    bounds = [round(i * len(children) / num_stages) for i in range(num_stages + 1)]
+    parts: list[nn.Module] = []
+    for a, b in zip(bounds, bounds[1:]):
+        part = nn.Sequential()
+        for name, child in children[a:b]:
+            part.add_module(name, child)
+        parts.append(part)
+    return parts
+
+
+def _inference_schedule(schedule: Schedule) -> Schedule:
+    if schedule.is_inference:
+        return schedule
+    return Schedule(
+        num_ranks=schedule.num_ranks,
+        num_microbatches=schedule.num_microbatches,
+        placement=schedule.placement,
+        actions=tuple(tuple(a for a in row if a.op is Op.F) for row in schedule.actions),
+        name=f"{schedule.name} (forward only)",
+    )
+
+
+class Pipeline:
+    """Runs ``model`` as a pipeline over ``mesh``'s pp axis with ``schedule``.
+
+    ``model`` is a list of stage modules (one per stage of the schedule) or an nn.Sequential
+    (split evenly by layer count). ``schedule`` is a name (``num_microbatches`` required) or
+    a Schedule. Every rank makes the same calls; each rank keeps only its own stages.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        mesh: DeviceMesh,
+        schedule: str | Schedule = "1f1b",
+        num_microbatches: int | None = None,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+        *,
+        pp_axis: str = "pp",
+        dp_axis: str = "dp",
+        stages_per_rank: int | None = None,
+        chunk_spec: ChunkSpec | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.topology = Topology.from_mesh(mesh, pp_axis, dp_axis)
+        topo = self.topology
+        if isinstance(model, (list, tuple)) and stages_per_rank is None:
+            if len(model) % topo.pp_size:
+                raise PipelineError(
+                    f"{len(model)} stage modules cannot be spread evenly over {topo.pp_size} "
+                    "pp ranks"
+                )
+            stages_per_rank = len(model) // topo.pp_size
+        self.schedule = self._resolve_schedule(schedule, num_microbatches, stages_per_rank)
+        modules = self._stage_modules(model)
+        self.loss_fn = loss_fn
+        self.chunk_spec = chunk_spec
+        self.timeout = float(timeout)
+        self.mesh = mesh
+        sched = self.schedule
+        self._runners: dict[int, StageRunner] = {}
+        for s in sched.stages_of(topo.pp_rank):
+            module = modules[s].to(topo.device)
+            self._runners[s] = StageRunner(
+                s, module, is_first=s == 0, is_last=s == sched.num_stages - 1, loss_fn=loss_fn
+            )
+        self._infer = _inference_schedule(sched)
+        self._plans: dict[int, CommPlan] = {}
+        self._records: list[ActionRecord] = []
+
+    # -- construction helpers ----------------------------------------------------------
+    def _resolve_schedule(
+        self, schedule: str | Schedule, num_microbatches: int | None, stages_per_rank: int | None
+    ) -> Schedule:
+        pp = self.topology.pp_size
+        if isinstance(schedule, str):
+            if num_microbatches is None:
+                raise PipelineError(
+                    f"schedule {schedule!r} is a name: pass num_microbatches= as well"
+                )
+            sched = get_schedule(schedule, pp, num_microbatches, stages_per_rank)
+        elif isinstance(schedule, Schedule):
+            sched = schedule
+            if num_microbatches is not None and num_microbatches != sched.num_microbatches:
+                raise PipelineError(
+                    f"num_microbatches={num_microbatches} but the schedule has "
+                    f"{sched.num_microbatches}"
+                )
+        else:
+            raise PipelineError(
+                f"schedule must be a name or a Schedule, got {type(schedule).__name__}"
+            )
+        if sched.num_ranks != pp:
+            raise PipelineError(
+                f"schedule {sched.name!r} is for {sched.num_ranks} ranks but the mesh's pp axis "
+                f"has {pp}"
+            )
+        try:
+            validate(sched)
+        except ScheduleError as e:
+            raise PipelineError(f"schedule {sched.name!r} is not valid: {e}") from e
+        return sched
+
+    def _stage_modules(self, model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+        n = self.schedule.num_stages
+        if isinstance(model, nn.Sequential):
+            return _split_sequential(model, n)
+        if isinstance(model, (list, tuple, nn.ModuleList)):
+            mods = list(model)
+            if len(mods) != n:
+                raise PipelineError(
+                    f"{len(mods)} stage modules given but schedule {self.schedule.name!r} has "
+                    f"{n} stages ({self.schedule.num_ranks} ranks x "
+                    f"{self.schedule.stages_per_rank} per rank)"
+                )
+            for i, m in enumerate(mods):
+                if not isinstance(m, nn.Module):
+                    raise PipelineError(f"stage {i} is a {type(m).__name__}, not an nn.Module")
+            return mods
+        raise PipelineError(
+            f"model must be an nn.Sequential or a list of stage modules, got "
+            f"{type(model).__name__}; see meshpipe.split for other models"
+        )
+
+    # -- parameters --------------------------------------------------------------------
+    @property
+    def stages(self) -> list[nn.Module]:
+        """This rank's stage modules, in stage order."""
+        return [self._runners[s].module for s in sorted(self._runners)]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their original model names."""
+        seen: set[int] = set()
+        for module in self.stages:
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for m in self.stages:
+            m.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return (self.schedule.num_stages - 1) in self._runners
+
+    def timeline(self) -> list[ActionRecord]:
+        """Measured action times of the last step or forward on this rank."""
+        return list(self._records)
+
+    # -- running -----------------------------------------------------------------------
+    def _check_batch(self, args: tuple[Any, ...], target: Any, training: bool) -> None:
+        if training and self.loss_fn is None:
+            raise PipelineError("step() needs a loss_fn: pass loss_fn= to Pipeline")
+        if target is not None:
+            leaves, _ = flatten(target)
+            if not leaves:
+                raise PipelineError(
+                    f"target must be a tensor (or a pytree of tensors), got {type(target).__name__}"
+                )
+        if not args:
+            raise PipelineError("step()/forward() need at least one positional input")
+
+    def _comm(self, schedule: Schedule) -> tuple[Comm, CommPlan]:
+        topo = self.topology
+        key = id(schedule)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_comm(schedule, topo.pp_rank)
+        comm = Comm(
+            topo.pp_group, topo.pp_global_ranks, topo.pp_rank, self.timeout, topo.device,
+            threaded=topo.device.type == "cpu",
+        )
+        comm.begin(plan.recvs, plan.sends)
+        return comm, plan
+
+    def _run(self, schedule: Schedule, args: tuple[Any, ...], kwargs: dict[str, Any],
+             target: Any, training: bool) -> dict[int, Any]:
+        mbs = split_microbatches(args, kwargs, target, schedule.num_microbatches, self.chunk_spec)
+        for r in self._runners.values():
+            r.reset()
+        comm, _ = self._comm(schedule)
+        try:
+            losses, self._records = run_actions(
+                schedule, self.topology.pp_rank, self._runners, mbs, comm, training
+            )
+            comm.finish()
+        except BaseException as e:
+            comm.abort(f"{type(e).__name__}: {e}")
+            raise
+        return dict(losses)
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """One training step over all microbatches; returns the loss (same on every rank).
+
+        Gradients are accumulated into ``.grad`` (added to any already there) and equal
+        those of one process running the whole batch (averaged over dp replicas).
+        """
+        self._check_batch(args, target, training=True)
+        params = list(self.parameters())
+        stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        losses = self._run(self.schedule, args, kwargs, target, training=True)
+        topo = self.topology
+        last_rank = self.schedule.placement[-1]
+        loss, scale, _ = reduce_loss(
+            losses, self.holds_last_stage, topo.pp_global_ranks[last_rank], topo.pp_group,
+            topo.dp_group,
+        )
+        reduce_grads(params, scale, topo.dp_group)
+        for p, old in zip(params, stash):
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+        return torch.tensor(loss)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Inference: the merged output on ranks holding the last stage, None elsewhere."""
+        self._check_batch(args, None, training=False)
+        self._run(self._infer, args, kwargs, None, training=False)
+        if not self.holds_last_stage:
+            return None
+        runner = self._runners[self.schedule.num_stages - 1]
+        out = [runner.outputs[mb] for mb in range(self.schedule.num_microbatches)]
+        runner.outputs.clear()
+        return merge_outputs(out)
+
+    __call__ = forward

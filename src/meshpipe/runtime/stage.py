@@ -1,0 +1,158 @@
+"""One pipeline stage on this rank: forward per microbatch, keeping only what backward needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshpipe.errors import PipelineError
+from meshpipe.runtime.backward import WeightGrad, backward_full, backward_input
+from meshpipe.runtime.pytree import flatten, unflatten
+
+__all__ = ["StageRunner", "LossRecord", "as_stage_input"]
+
+LossFn = Callable[[Any, Any], Any]
+
+
+@dataclass
+class LossRecord:
+    """The last stage's loss for one microbatch: mean-weighted value, or a (sum, count) pair."""
+
+    value: float
+    count: float | None  # None: mean loss, already weighted by the microbatch's share
+
+
+@dataclass
+class _Saved:
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    roots: list[Any] = field(default_factory=list)  # gradient edges of outputs (None: no grad)
+    pending: WeightGrad | None = None
+    seed: torch.Tensor | None = None  # last stage: d(loss)/d(loss)
+
+
+def as_stage_input(value: Any) -> Any:
+    """Detach a value handed from a stage on the same rank, keeping requires_grad flags."""
+    leaves, spec = flatten(value)
+    fresh = []
+    for t in leaves:
+        d = t.detach()
+        if t.requires_grad and d.is_floating_point():
+            d.requires_grad_(True)
+        fresh.append(d)
+    return unflatten(fresh, spec)
+
+
+class StageRunner:
+    """Runs one stage module: F, B, I and W for each microbatch of a step."""
+
+    def __init__(
+        self, index: int, module: nn.Module, *, is_first: bool, is_last: bool,
+        loss_fn: LossFn | None,
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.is_first = is_first
+        self.is_last = is_last
+        self.loss_fn = loss_fn
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._saved: dict[int, _Saved] = {}
+        self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
+
+    def reset(self) -> None:
+        self._saved.clear()
+        self.outputs.clear()
+
+    def _call(self, value: Any, kwargs: dict[str, Any]) -> Any:
+        if self.is_first or isinstance(value, tuple):
+            return self.module(*value, **kwargs)
+        return self.module(value, **kwargs)
+
+    def forward(
+        self, mb: int, value: Any, kwargs: dict[str, Any], target: Any, share: float,
+        training: bool,
+    ) -> Any:
+        """Run F for ``mb``; returns the output to pass on (last stage: a LossRecord)."""
+        if not training:
+            with torch.no_grad():
+                out = self._call(value, kwargs)
+            if self.is_last:
+                self.outputs[mb] = out
+            return out
+        inputs, _ = flatten(value) if not self.is_first else ([], None)
+        out = self._call(value, kwargs)
+        saved = _Saved(inputs=inputs)
+        self._saved[mb] = saved
+        if not self.is_last:
+            leaves, _ = flatten(out)
+            saved.roots = [_edge_of(t) for t in leaves]
+            return out
+        loss, record = self._loss(out, target, share, mb)
+        saved.roots = [_edge_of(loss)]
+        saved.seed = torch.ones_like(loss.detach())
+        return record
+
+    def _loss(self, out: Any, target: Any, share: float, mb: int) -> tuple[torch.Tensor, LossRecord]:
+        if self.loss_fn is None:
+            raise PipelineError("step() needs a loss_fn; pass loss_fn= to Pipeline")
+        result = self.loss_fn(out, target)
+        if isinstance(result, (tuple, list)):
+            if len(result) != 2:
+                raise PipelineError(
+                    f"loss_fn returned a {type(result).__name__} of {len(result)} items; return "
+                    "a scalar mean or a (sum, count) pair"
+                )
+            total, count = result
+            _check_scalar(total, mb)
+            c = float(count.detach()) if isinstance(count, torch.Tensor) else float(count)
+            return total, LossRecord(float(total.detach()), c)
+        _check_scalar(result, mb)
+        weighted = result * share
+        return weighted, LossRecord(float(weighted.detach()), None)
+
+    def backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
+        """B (``split=False``) or I (``split=True``); returns gradients of the stage inputs."""
+        saved = self._saved[mb]
+        if self.is_last:
+            gs: list[torch.Tensor | None] = [saved.seed]
+        else:
+            gs = list(grads) if grads is not None else [None] * len(saved.roots)
+            if len(gs) != len(saved.roots):
+                raise PipelineError(
+                    f"stage {self.index} mb {mb}: received {len(gs)} gradients for "
+                    f"{len(saved.roots)} outputs"
+                )
+        if split:
+            in_grads, saved.pending = backward_input(saved.roots, gs, saved.inputs, self.params)
+        else:
+            in_grads = backward_full(saved.roots, gs, saved.inputs)
+        saved.roots = []
+        if saved.pending is None:
+            del self._saved[mb]
+        else:
+            saved.inputs = []
+        return in_grads
+
+    def weight(self, mb: int) -> None:
+        """W for ``mb``: the weight half of a split backward."""
+        saved = self._saved.pop(mb)
+        if saved.pending is not None:
+            saved.pending.run()
+
+
+def _edge_of(t: torch.Tensor) -> Any:
+    if not t.requires_grad:
+        return None
+    return torch.autograd.graph.get_gradient_edge(t)
+
+
+def _check_scalar(value: Any, mb: int) -> None:
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise PipelineError(
+            f"loss_fn must return a scalar tensor (or a (sum, count) pair) for microbatch {mb}; "
+            f"got {type(value).__name__}"
+            + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+        )

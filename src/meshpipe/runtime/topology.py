@@ -1,0 +1,111 @@
+"""The mesh and this rank's place in it: init_mesh, and the pp axis's ranks and groups."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshpipe.errors import PipelineError
+
+__all__ = ["init_mesh", "Topology"]
+
+log = logging.getLogger(__name__)
+AXES = ("pp", "dp", "tp")
+
+
+def _check_degree(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PipelineError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def init_mesh(
+    pp: int,
+    dp: int = 1,
+    tp: int = 1,
+    device_type: str | None = None,
+    timeout: float = 300.0,
+) -> DeviceMesh:
+    """A DeviceMesh with axes ("pp", "dp", "tp") over all processes (size-1 axes kept).
+
+    Initialises the default process group from torchrun's environment variables when none
+    exists: gloo on CPU, NCCL when CUDA is present. ``timeout`` bounds collectives (seconds).
+    """
+    sizes = tuple(_check_degree(n, v) for n, v in zip(AXES, (pp, dp, tp)))
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise PipelineError(
+                f"no process group and {missing} unset: launch with torchrun or "
+                "`meshpipe launch -n N script.py`, or call torch.distributed.init_process_group"
+            )
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    world = dist.get_world_size()
+    product = sizes[0] * sizes[1] * sizes[2]
+    if product != world:
+        raise PipelineError(
+            f"mesh pp={pp} x dp={dp} x tp={tp} = {product} processes, but the world size is "
+            f"{world}; the product of the degrees must equal the world size"
+        )
+    return init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's coordinates: its pp rank, the pp group's global ranks, the dp group."""
+
+    pp_rank: int
+    pp_size: int
+    pp_group: dist.ProcessGroup
+    pp_global_ranks: tuple[int, ...]
+    dp_group: dist.ProcessGroup | None
+    dp_size: int
+    device: torch.device
+    coords: dict[str, int]
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, pp_axis: str = "pp", dp_axis: str = "dp") -> Topology:
+        names = tuple(mesh.mesh_dim_names or ())
+        if pp_axis not in names:
+            raise PipelineError(
+                f"the mesh has axes {names}, with no {pp_axis!r} axis to pipeline over; "
+                "build it with meshpipe.init_mesh(pp=...) or pass pp_axis="
+            )
+        pp_group = mesh.get_group(pp_axis)
+        dp_group = None
+        dp_size = 1
+        if dp_axis in names and mesh.size(names.index(dp_axis)) > 1:
+            dp_group = mesh.get_group(dp_axis)
+            dp_size = mesh.size(names.index(dp_axis))
+        for axis in names:
+            if axis not in (pp_axis, dp_axis) and mesh.size(names.index(axis)) > 1:
+                raise PipelineError(
+                    f"mesh axis {axis!r} has size {mesh.size(names.index(axis))}; only the "
+                    f"{pp_axis!r} and {dp_axis!r} axes are supported so far"
+                )
+        if mesh.device_type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device(mesh.device_type)
+        coords = {axis: mesh.get_local_rank(axis) for axis in names}
+        return cls(
+            pp_rank=mesh.get_local_rank(pp_axis),
+            pp_size=mesh.size(names.index(pp_axis)),
+            pp_group=pp_group,
+            pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+            dp_group=dp_group,
+            dp_size=dp_size,
+            device=device,
+            coords=coords,
+        )

@@ -1,0 +1,122 @@
+"""Helpers for testing distributed code for real: spawn ranks on CPU over gloo."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["run_on_ranks", "RankFailure", "free_port"]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised or did not finish; ``errors`` maps rank -> traceback text."""
+
+    def __init__(self, message: str, errors: dict[int, str]) -> None:
+        super().__init__(message)
+        self.errors = errors
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
+    results: Any, threads: int,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        value = fn(*args)
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: S110 - teardown after a failure is best effort
+                pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` fresh processes; return each rank's result.
+
+    Each process has RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT set, so
+    ``meshpipe.init_mesh`` (or ``init_process_group``) works inside ``fn``. ``fn`` must be
+    importable (a module-level function) and its result picklable. Raises RankFailure with
+    every failing rank's traceback, or when ranks are still running after ``timeout``
+    seconds (they are killed).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker, args=(fn, r, world_size, port, args, results, threads_per_rank),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(values) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode
+                        and r not in values and r not in errors]
+                for r in dead:
+                    errors[r] = f"rank {r} exited with code {procs[r].exitcode} before reporting"
+                continue
+            (values if ok else errors)[rank] = value
+            if errors and all(not p.is_alive() for r, p in enumerate(procs)
+                              if r not in values and r not in errors):
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = [r for r in range(world_size) if r not in values and r not in errors]
+    if errors or missing:
+        parts = [f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)]
+        if missing:
+            parts.append(f"ranks {missing} did not finish within {timeout:.0f}s and were killed")
+        raise RankFailure(
+            f"{len(errors)} rank(s) failed, {len(missing)} timed out:\n" + "\n".join(parts),
+            {**errors, **{r: "timed out" for r in missing}},
+        )
+    return [values[r] for r in range(world_size)]
