@@ -68,10 +68,13 @@ class WeightGrad:
         default_factory=list
     )
     params: list[torch.Tensor] = field(default_factory=list)
+    # outputs whose whole graph is weight-only: W is their full backward
+    direct: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
 
     def run(self) -> None:
-        child_edges: list[GradientEdge] = []
-        child_grads: list[torch.Tensor] = []
+        child_edges: list[GradientEdge] = [e for e, _ in self.direct]
+        child_grads: list[torch.Tensor] = [g for _, g in self.direct]
+        self.direct = []
         for into, captured, children in self.work:
             got = torch.autograd.grad(into, children, captured, allow_unused=True)
             for e, g in zip(children, got):
@@ -133,6 +136,7 @@ def backward_input(
         kids = [c for c, _ in node.next_functions if c is not None]
         weight_only[node] = bool(kids) and all(weight_only.get(c, False) for c in kids)
     boundary: list[tuple[Node, list[GradientEdge]]] = []
+    owner_of: dict[Node, Node] = {}
     for node in order:
         if weight_only[node]:
             continue
@@ -141,6 +145,11 @@ def backward_input(
             for c, nr in node.next_functions
             if c is not None and weight_only[c]
         ]
+        for k in kids:
+            if owner_of.setdefault(k.node, node) is not node:
+                # a weight-only node feeds two boundary nodes: splitting could run the
+                # activation path twice, so do the whole backward now (W is then a no-op)
+                return backward_full(outputs, grads, inputs), WeightGrad()
         if kids:
             boundary.append((node, kids))
     # an output whose whole graph is weight-only (first stage): capture at the output itself
@@ -169,6 +178,5 @@ def backward_input(
         pending.work.append((edges, captured, boundary[owner][1]))
     for e, g in zip(outs, gs):
         if e.node in weight_roots:
-            kids = [GradientEdge(c, nr) for c, nr in e.node.next_functions if c is not None]
-            pending.work.append(([e], [g], kids))
+            pending.direct.append((e, g))
     return input_grads, pending

@@ -1,0 +1,105 @@
+"""Models and checks shared by the multi-process parity tests (imported inside spawned ranks)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import meshpipe
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zbh1", "zbv", "dualpipev"]
+D = 16
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block: the transformer's shape without attention."""
+
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.ln(x))))
+
+
+def blocks(num: int = 8, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block() for _ in range(num)])
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def sum_count(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return ((out - y) ** 2).sum(), out.numel()
+
+
+def grad_diff(pipe: meshpipe.Pipeline, ref: nn.Module) -> float:
+    """Largest |grad - reference grad| over this rank's parameters, matched by name."""
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    names = 0
+    for name, p in pipe.named_parameters():
+        r = ref_params[name]
+        if (p.grad is None) != (r.grad is None):
+            return float("inf")
+        if p.grad is not None:
+            worst = max(worst, (p.grad - r.grad).abs().max().item())
+        names += 1
+    if names == 0:
+        return float("inf")
+    return worst
+
+
+def dp_batch(x: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """This dp replica's slice of the global batch (replicas take it in order)."""
+    names = mesh.mesh_dim_names
+    dp = mesh.size(names.index("dp"))
+    return torch.tensor_split(x, dp)[mesh.get_local_rank("dp")]
+
+
+def parity_case(
+    mesh: Any,
+    schedule: str | meshpipe.Schedule,
+    *,
+    num_microbatches: int | None = 8,
+    batch: int = 12,
+    loss_fn: Callable[..., Any] = mse,
+    ref_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
+    model: nn.Module | None = None,
+) -> dict[str, float]:
+    """One step on the pipeline vs one process on the whole (global) batch."""
+    net = model if model is not None else blocks()
+    ref = copy.deepcopy(net)
+    torch.manual_seed(1)
+    x, y = torch.randn(batch, D), torch.randn(batch, D)
+    pipe = meshpipe.Pipeline(
+        net, mesh, schedule=schedule, num_microbatches=num_microbatches, loss_fn=loss_fn
+    )
+    loss = pipe.step(dp_batch(x, mesh), target=dp_batch(y, mesh))
+    expected = ref_loss(ref(x), y)
+    expected.backward()
+    out = pipe.forward(dp_batch(x, mesh))
+    with torch.no_grad():
+        ref_out = ref(dp_batch(x, mesh))
+    return {
+        "loss": abs(loss.item() - expected.item()),
+        "grad": grad_diff(pipe, ref),
+        "forward": 0.0 if out is None else (out - ref_out).abs().max().item(),
+        "forward_none_ok": float((out is None) == pipe.holds_last_stage),
+    }
+
+
+def registered(name: str) -> bool:
+    return name.lower() in meshpipe.schedule_names()
+
+
+def sum_count_ref(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).sum() / out.numel()
