@@ -1,0 +1,133 @@
+"""Bad input is refused identically on every rank before any communication; failures and
+stuck peers end every rank with an error instead of a hang."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from parity import D, blocks, mse
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+
+
+def _refused(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return type(e).__name__, str(e)
+    return "nothing", ""
+
+
+def _bad_inputs() -> dict[str, tuple[str, str]]:
+    mesh = meshpipe.init_mesh(pp=2)
+    x, y = torch.randn(4, D), torch.randn(4, D)
+    pipe = meshpipe.Pipeline(blocks(4), mesh, schedule="1f1b", num_microbatches=8, loss_fn=mse)
+    no_loss = meshpipe.Pipeline(blocks(4), mesh, schedule="1f1b", num_microbatches=2)
+    two_stage = meshpipe.get_schedule("1f1b", 2, 2)
+    broken = meshpipe.Schedule.from_text("0F0 0B0\n1B0 1F0\n")
+    out = {
+        "small_batch": _refused(lambda: pipe.step(x, target=y)),
+        "ranks_mismatch": _refused(
+            lambda: meshpipe.Pipeline(blocks(4), mesh, meshpipe.get_schedule("1f1b", 4, 4), loss_fn=mse)
+        ),
+        "stage_count": _refused(
+            lambda: meshpipe.Pipeline([nn.Linear(D, D) for _ in range(4)], mesh, two_stage, loss_fn=mse)
+        ),
+        "no_pp_axis": _refused(
+            lambda: meshpipe.Pipeline(
+                blocks(4), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), "1f1b", 2, mse
+            )
+        ),
+        "no_loss_fn": _refused(lambda: no_loss.step(x, target=y)),
+        "non_tensor_target": _refused(lambda: pipe.step(torch.randn(8, D), target=[1, 2, 3])),
+        "name_without_m": _refused(lambda: meshpipe.Pipeline(blocks(4), mesh, "1f1b", loss_fn=mse)),
+        "invalid_schedule": _refused(lambda: meshpipe.Pipeline(blocks(4), mesh, broken, loss_fn=mse)),
+    }
+    # nothing was sent, so the group still works: a good step runs after all the refusals
+    good = meshpipe.Pipeline(blocks(4), mesh, schedule="1f1b", num_microbatches=2, loss_fn=mse)
+    out["then_ok"] = ("loss", f"{good.step(x, target=y).item():.6f}")
+    return out
+
+
+def test_bad_input_refused_identically_before_communication() -> None:
+    results = run_on_ranks(_bad_inputs, 2, timeout=120)
+    assert results[0] == results[1], "ranks must raise the same errors"
+    res = results[0]
+    for case in ("small_batch", "ranks_mismatch", "stage_count", "no_pp_axis", "no_loss_fn",
+                 "non_tensor_target", "name_without_m", "invalid_schedule"):
+        kind, _ = res[case]
+        assert kind == "PipelineError", f"{case}: raised {res[case]}"
+    assert "num_microbatches=8" in res["small_batch"][1]
+    assert "4 ranks" in res["ranks_mismatch"][1] and "2" in res["ranks_mismatch"][1]
+    assert "4 stage modules" in res["stage_count"][1]
+    assert "'pp'" in res["no_pp_axis"][1]
+    assert "loss_fn" in res["no_loss_fn"][1]
+    assert "list" in res["non_tensor_target"][1]
+    assert "num_microbatches" in res["name_without_m"][1]
+    assert res["then_ok"][0] == "loss"
+
+
+class Faulty(nn.Module):
+    """Raises on its third forward call (microbatch 2 of the first step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("boom in the last stage")
+        return self.lin(x)
+
+
+def _one_stage_fails() -> tuple[str, str, float]:
+    mesh = meshpipe.init_mesh(pp=3)
+    torch.manual_seed(0)
+    stages = [nn.Linear(D, D), nn.Linear(D, D), Faulty()]
+    pipe = meshpipe.Pipeline(stages, mesh, "1f1b", num_microbatches=4, loss_fn=mse, timeout=60)
+    t0 = time.monotonic()
+    try:
+        pipe.step(torch.randn(8, D), target=torch.randn(8, D))
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "nothing", "", time.monotonic() - t0
+
+
+def test_exception_in_one_stage_stops_every_rank() -> None:
+    results = run_on_ranks(_one_stage_fails, 3, timeout=120)
+    kinds = [r[0] for r in results]
+    assert kinds == ["RemoteStageError", "RemoteStageError", "RuntimeError"], results
+    assert "boom" in results[2][1]
+    for kind, msg, seconds in results[:2]:
+        assert "rank 2 failed" in msg and "boom" in msg
+        assert seconds < 30, f"took {seconds:.1f}s to notice, timeout is 60s"
+
+
+def _peer_never_comes() -> tuple[str, str, dict[str, Any]]:
+    mesh = meshpipe.init_mesh(pp=2)
+    pipe = meshpipe.Pipeline(
+        blocks(2), mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=2.0
+    )
+    if mesh.get_local_rank("pp") == 1:
+        time.sleep(4.0)  # never joins the step
+        return "skipped", "", {}
+    try:
+        pipe.step(torch.randn(4, D), target=torch.randn(4, D))
+    except meshpipe.CommTimeoutError as e:
+        return type(e).__name__, str(e), {"rank": e.rank, "peer": e.peer, "mb": e.mb,
+                                          "action": e.action}
+    return "nothing", "", {}
+
+
+def test_stuck_peer_times_out_naming_what_was_awaited() -> None:
+    kind, msg, fields = run_on_ranks(_peer_never_comes, 2, timeout=120)[0]
+    assert kind == "CommTimeoutError", msg
+    assert fields == {"rank": 0, "peer": 1, "mb": 0, "action": "0B0"}
+    assert "grad[1->0, mb 0]" in msg and "rank 1" in msg
