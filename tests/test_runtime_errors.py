@@ -7,12 +7,13 @@ import time
 from typing import Any
 
 import torch
-from parity import D, blocks, mse
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import meshpipe
 from meshpipe.testing import run_on_ranks
+
+from parity import D, blocks, mse
 
 
 def _refused(fn: Any) -> tuple[str, str]:
@@ -33,10 +34,14 @@ def _bad_inputs() -> dict[str, tuple[str, str]]:
     out = {
         "small_batch": _refused(lambda: pipe.step(x, target=y)),
         "ranks_mismatch": _refused(
-            lambda: meshpipe.Pipeline(blocks(4), mesh, meshpipe.get_schedule("1f1b", 4, 4), loss_fn=mse)
+            lambda: meshpipe.Pipeline(
+                blocks(4), mesh, meshpipe.get_schedule("1f1b", 4, 4), loss_fn=mse
+            )
         ),
         "stage_count": _refused(
-            lambda: meshpipe.Pipeline([nn.Linear(D, D) for _ in range(4)], mesh, two_stage, loss_fn=mse)
+            lambda: meshpipe.Pipeline(
+                [nn.Linear(D, D) for _ in range(4)], mesh, two_stage, loss_fn=mse
+            )
         ),
         "no_pp_axis": _refused(
             lambda: meshpipe.Pipeline(
@@ -46,7 +51,9 @@ def _bad_inputs() -> dict[str, tuple[str, str]]:
         "no_loss_fn": _refused(lambda: no_loss.step(x, target=y)),
         "non_tensor_target": _refused(lambda: pipe.step(torch.randn(8, D), target=[1, 2, 3])),
         "name_without_m": _refused(lambda: meshpipe.Pipeline(blocks(4), mesh, "1f1b", loss_fn=mse)),
-        "invalid_schedule": _refused(lambda: meshpipe.Pipeline(blocks(4), mesh, broken, loss_fn=mse)),
+        "invalid_schedule": _refused(
+            lambda: meshpipe.Pipeline(blocks(4), mesh, broken, loss_fn=mse)
+        ),
     }
     # nothing was sent, so the group still works: a good step runs after all the refusals
     good = meshpipe.Pipeline(blocks(4), mesh, schedule="1f1b", num_microbatches=2, loss_fn=mse)
@@ -58,8 +65,16 @@ def test_bad_input_refused_identically_before_communication() -> None:
     results = run_on_ranks(_bad_inputs, 2, timeout=120)
     assert results[0] == results[1], "ranks must raise the same errors"
     res = results[0]
-    for case in ("small_batch", "ranks_mismatch", "stage_count", "no_pp_axis", "no_loss_fn",
-                 "non_tensor_target", "name_without_m", "invalid_schedule"):
+    for case in (
+        "small_batch",
+        "ranks_mismatch",
+        "stage_count",
+        "no_pp_axis",
+        "no_loss_fn",
+        "non_tensor_target",
+        "name_without_m",
+        "invalid_schedule",
+    ):
         kind, _ = res[case]
         assert kind == "PipelineError", f"{case}: raised {res[case]}"
     assert "num_microbatches=8" in res["small_batch"][1]
@@ -105,24 +120,25 @@ def test_exception_in_one_stage_stops_every_rank() -> None:
     kinds = [r[0] for r in results]
     assert kinds == ["RemoteStageError", "RemoteStageError", "RuntimeError"], results
     assert "boom" in results[2][1]
-    for kind, msg, seconds in results[:2]:
+    for _kind, msg, seconds in results[:2]:
         assert "rank 2 failed" in msg and "boom" in msg
         assert seconds < 30, f"took {seconds:.1f}s to notice, timeout is 60s"
 
 
 def _peer_never_comes() -> tuple[str, str, dict[str, Any]]:
     mesh = meshpipe.init_mesh(pp=2)
-    pipe = meshpipe.Pipeline(
-        blocks(2), mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=2.0
-    )
+    pipe = meshpipe.Pipeline(blocks(2), mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=2.0)
     if mesh.get_local_rank("pp") == 1:
         time.sleep(4.0)  # never joins the step
         return "skipped", "", {}
     try:
         pipe.step(torch.randn(4, D), target=torch.randn(4, D))
     except meshpipe.CommTimeoutError as e:
-        return type(e).__name__, str(e), {"rank": e.rank, "peer": e.peer, "mb": e.mb,
-                                          "action": e.action}
+        return (
+            type(e).__name__,
+            str(e),
+            {"rank": e.rank, "peer": e.peer, "mb": e.mb, "action": e.action},
+        )
     return "nothing", "", {}
 
 

@@ -11,12 +11,22 @@ from typing import Any
 
 import pytest
 import torch
-from parity import D, SCHEDULES, blocks, grad_diff, mse, parity_case, registered, sum_count
-from parity import sum_count_ref
 from torch import nn
 
 import meshpipe
 from meshpipe.testing import run_on_ranks
+
+from parity import (
+    SCHEDULES,
+    D,
+    blocks,
+    grad_diff,
+    mse,
+    parity_case,
+    registered,
+    sum_count,
+    sum_count_ref,
+)
 
 ATOL = 1e-5
 
@@ -74,7 +84,10 @@ def _seq_case(mesh: Any) -> dict[str, float]:
     stages = [SeqModel(), SeqModel()]
     ref = copy.deepcopy(stages)
     pipe = meshpipe.Pipeline(
-        stages, mesh, schedule="zbh1" if registered("zbh1") else "1f1b", num_microbatches=4,
+        stages,
+        mesh,
+        schedule="zbh1" if registered("zbh1") else "1f1b",
+        num_microbatches=4,
         loss_fn=mse,
     )
     worst = {"loss": 0.0, "grad": 0.0}
@@ -154,8 +167,16 @@ def test_schedule_parity(results: list[dict[str, dict[str, float]]], schedule: s
 
 @pytest.mark.parametrize(
     "case",
-    ["uneven", "uneven_zbh1", "fewer_mbs_than_ranks", "sum_count", "text", "dict_boundary",
-     "seq_len_changes", "accumulate"],
+    [
+        "uneven",
+        "uneven_zbh1",
+        "fewer_mbs_than_ranks",
+        "sum_count",
+        "text",
+        "dict_boundary",
+        "seq_len_changes",
+        "accumulate",
+    ],
 )
 def test_feature_parity(results: list[dict[str, dict[str, float]]], case: str) -> None:
     _check(results, case)

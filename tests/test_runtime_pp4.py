@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import SCHEDULES, parity_case, registered, sum_count, sum_count_ref
 
 import meshpipe
 from meshpipe.testing import run_on_ranks
+
+from parity import SCHEDULES, parity_case, registered, sum_count, sum_count_ref
 
 ATOL = 1e-5
 DP_SCHEDULES = ["1f1b", "zbv", "gpipe"]

@@ -1,4 +1,4 @@
-"""Exception types of meshpipe; each subclasses a builtin and carries the values that broke the rule."""
+"""Exception types of meshpipe; each subclasses a builtin and carries the offending values."""
 
 from __future__ import annotations
 

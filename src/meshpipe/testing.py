@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -30,12 +31,21 @@ def free_port() -> int:
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-    results: Any, threads: int,
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    results: Any,
+    threads: int,
 ) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     import torch
     import torch.distributed as dist
@@ -48,10 +58,8 @@ def _worker(
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # teardown after a failure is best effort
                 dist.destroy_process_group()
-            except Exception:  # noqa: S110 - teardown after a failure is best effort
-                pass
 
 
 def run_on_ranks(
@@ -76,7 +84,8 @@ def run_on_ranks(
     port = free_port()
     procs = [
         ctx.Process(
-            target=_worker, args=(fn, r, world_size, port, args, results, threads_per_rank),
+            target=_worker,
+            args=(fn, r, world_size, port, args, results, threads_per_rank),
             daemon=True,
         )
         for r in range(world_size)
@@ -94,14 +103,18 @@ def run_on_ranks(
             try:
                 rank, ok, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode
-                        and r not in values and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and p.exitcode and r not in values and r not in errors
+                ]
                 for r in dead:
                     errors[r] = f"rank {r} exited with code {procs[r].exitcode} before reporting"
                 continue
             (values if ok else errors)[rank] = value
-            if errors and all(not p.is_alive() for r, p in enumerate(procs)
-                              if r not in values and r not in errors):
+            if errors and all(
+                not p.is_alive() for r, p in enumerate(procs) if r not in values and r not in errors
+            ):
                 break
     finally:
         for p in procs:

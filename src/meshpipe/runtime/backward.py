@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -54,7 +55,7 @@ def backward_full(
     """
     edges, gs = _with_grad(outputs, grads)
     if edges:
-        torch.autograd.backward(edges, gs)  # type: ignore[arg-type]
+        torch.autograd.backward(edges, gs)
     return [x.grad if x.requires_grad else None for x in inputs]
 
 
@@ -114,6 +115,39 @@ def _num_grad_inputs(node: Node) -> int:
     return len(meta) if meta is not None else 1
 
 
+def _weight_only(order: Sequence[Node], acc: set[Node]) -> dict[Node, bool]:
+    """For each node (children first): does every path below it end in a parameter?"""
+    weight_only: dict[Node, bool] = {}
+    for node in order:
+        if node in acc:
+            weight_only[node] = True
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        weight_only[node] = bool(children) and all(weight_only.get(c, False) for c in children)
+    return weight_only
+
+
+def _boundaries(
+    order: Sequence[Node], weight_only: dict[Node, bool]
+) -> list[tuple[Node, list[GradientEdge]]] | None:
+    """Boundary nodes with the edges to their weight-only children; None if a weight-only
+    node feeds two boundary nodes (splitting could then run the activation path twice)."""
+    found: list[tuple[Node, list[GradientEdge]]] = []
+    owner_of: dict[Node, Node] = {}
+    for node in order:
+        if weight_only[node]:
+            continue
+        edges = [
+            GradientEdge(c, nr) for c, nr in node.next_functions if c is not None and weight_only[c]
+        ]
+        for edge in edges:
+            if owner_of.setdefault(edge.node, node) is not node:
+                return None
+        if edges:
+            found.append((node, edges))
+    return found
+
+
 def backward_input(
     outputs: Sequence[Root | None],
     grads: Sequence[torch.Tensor | None],
@@ -125,35 +159,12 @@ def backward_input(
     params = [p for p in params if p.requires_grad]
     if not outs:
         return [None for _ in inputs], WeightGrad()
-    acc = {get_gradient_edge(p).node for p in params}
     roots = [e.node for e in outs]
     order = _postorder(roots)
-    weight_only: dict[Node, bool] = {}
-    for node in order:  # children before parents
-        if node in acc:
-            weight_only[node] = True
-            continue
-        kids = [c for c, _ in node.next_functions if c is not None]
-        weight_only[node] = bool(kids) and all(weight_only.get(c, False) for c in kids)
-    boundary: list[tuple[Node, list[GradientEdge]]] = []
-    owner_of: dict[Node, Node] = {}
-    for node in order:
-        if weight_only[node]:
-            continue
-        kids = [
-            GradientEdge(c, nr)
-            for c, nr in node.next_functions
-            if c is not None and weight_only[c]
-        ]
-        for k in kids:
-            if owner_of.setdefault(k.node, node) is not node:
-                # a weight-only node feeds two boundary nodes: splitting could run the
-                # activation path twice, so do the whole backward now (W is then a no-op)
-                return backward_full(outputs, grads, inputs), WeightGrad()
-        if kids:
-            boundary.append((node, kids))
-    # an output whose whole graph is weight-only (first stage): capture at the output itself
-    weight_roots = {r for r in roots if weight_only[r]}
+    weight_only = _weight_only(order, {get_gradient_edge(p).node for p in params})
+    boundary = _boundaries(order, weight_only)
+    if boundary is None:  # rare (a weight-only node shared by two uses): no split, W no-op
+        return backward_full(outputs, grads, inputs), WeightGrad()
     capture: list[GradientEdge] = []
     owners: list[int] = []
     for i, (node, _) in enumerate(boundary):
@@ -161,7 +172,7 @@ def backward_input(
             capture.append(GradientEdge(node, k))
             owners.append(i)
     need_inputs = [x for x in inputs if x.requires_grad]
-    wanted: list[torch.Tensor | GradientEdge] = [*need_inputs, *capture]
+    wanted: list[Any] = [*need_inputs, *capture]
     got: Sequence[torch.Tensor | None] = ()
     if wanted:
         got = torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True)
@@ -171,12 +182,11 @@ def backward_input(
     per_node: dict[int, tuple[list[GradientEdge], list[torch.Tensor]]] = {}
     for edge, owner, g in zip(capture, owners, got[len(need_inputs) :]):
         if g is not None:
-            e, c = per_node.setdefault(owner, ([], []))
-            e.append(edge)
-            c.append(g)
+            edges, captured = per_node.setdefault(owner, ([], []))
+            edges.append(edge)
+            captured.append(g)
     for owner, (edges, captured) in per_node.items():
         pending.work.append((edges, captured, boundary[owner][1]))
-    for e, g in zip(outs, gs):
-        if e.node in weight_roots:
-            pending.direct.append((e, g))
+    # an output whose whole graph is weight-only (first stage): W is its full backward
+    pending.direct = [(e, g) for e, g in zip(outs, gs) if weight_only[e.node]]
     return input_grads, pending

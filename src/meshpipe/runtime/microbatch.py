@@ -81,7 +81,9 @@ def split_microbatches(
     per_arg = [_split_value(a, num, spec.get(i, 0), f"argument {i}") for i, a in enumerate(args)]
     per_kw = {k: _split_value(v, num, spec.get(k, 0), f"argument {k!r}") for k, v in kwargs.items()}
     targets = (
-        [None] * num if target is None else _split_value(target, num, spec.get("target", 0), "target")
+        [None] * num
+        if target is None
+        else _split_value(target, num, spec.get("target", 0), "target")
     )
     sizes: list[int] = []
     for k in range(num):

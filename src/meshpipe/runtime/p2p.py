@@ -45,7 +45,9 @@ def _encode(meta: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     header[:_LEN_BYTES] = torch.tensor(list(len(body).to_bytes(_LEN_BYTES, "big")))
     if len(body) <= HEADER_BYTES - _LEN_BYTES:
-        header[_LEN_BYTES : _LEN_BYTES + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        header[_LEN_BYTES : _LEN_BYTES + len(body)] = torch.frombuffer(
+            bytearray(body), dtype=torch.uint8
+        )
         return header, None
     return header, torch.frombuffer(bytearray(body), dtype=torch.uint8).clone()
 
@@ -77,7 +79,7 @@ class Comm:
         self.timeout = timeout
         self.device = device
         self.threaded = threaded
-        self._sends: list[tuple[dist.Work | None, list[torch.Tensor], int]] = []
+        self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
         self._sent: dict[int, int] = {}
         self._send_expected: dict[int, int] = {}
         self._queues: dict[int, queue.Queue[tuple[Transfer | None, Any]]] = {}
@@ -95,7 +97,9 @@ class Comm:
             self._queues[peer] = q
             if self.threaded and transfers:
                 t = threading.Thread(
-                    target=self._recv_loop, args=(peer, list(transfers), q), daemon=True,
+                    target=self._recv_loop,
+                    args=(peer, list(transfers), q),
+                    daemon=True,
                     name=f"meshpipe-recv-{self.rank}-from-{peer}",
                 )
                 t.start()
@@ -181,7 +185,10 @@ class Comm:
         return CommTimeoutError(
             f"rank {self.rank} waited {self.timeout:.1f}s in {doing} for {transfer} from rank "
             f"{peer} (global rank {self.global_ranks[peer]}); that rank is stuck or gone",
-            rank=self.rank, action=doing, mb=transfer.mb, peer=peer,
+            rank=self.rank,
+            action=doing,
+            mb=transfer.mb,
+            peer=peer,
         )
 
     def _recv_loop(
@@ -230,12 +237,13 @@ class Comm:
         kind, s, d, mb = meta["x"]
         return Transfer(kind, s, d, mb), unflatten(list(tensors), meta["s"])
 
-    def _wait(self, work: dist.Work, deadline: float, what: str, peer: int) -> None:
+    def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             raise CommTimeoutError(
                 f"rank {self.rank}: {what} with rank {peer} not done in {self.timeout:.1f}s",
-                rank=self.rank, peer=peer,
+                rank=self.rank,
+                peer=peer,
             )
         try:
             work.wait(timeout=datetime.timedelta(seconds=left))
@@ -243,6 +251,7 @@ class Comm:
             if "Timed out" in str(e) or "timeout" in str(e).lower():
                 raise CommTimeoutError(
                     f"rank {self.rank}: {what} with rank {peer} not done in {self.timeout:.1f}s",
-                    rank=self.rank, peer=peer,
+                    rank=self.rank,
+                    peer=peer,
                 ) from e
             raise

@@ -212,14 +212,24 @@ class Pipeline:
         if plan is None:
             plan = self._plans[key] = plan_comm(schedule, topo.pp_rank)
         comm = Comm(
-            topo.pp_group, topo.pp_global_ranks, topo.pp_rank, self.timeout, topo.device,
+            topo.pp_group,
+            topo.pp_global_ranks,
+            topo.pp_rank,
+            self.timeout,
+            topo.device,
             threaded=topo.device.type == "cpu",
         )
         comm.begin(plan.recvs, plan.sends)
         return comm, plan
 
-    def _run(self, schedule: Schedule, args: tuple[Any, ...], kwargs: dict[str, Any],
-             target: Any, training: bool) -> dict[int, Any]:
+    def _run(
+        self,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        training: bool,
+    ) -> dict[int, Any]:
         mbs = split_microbatches(args, kwargs, target, schedule.num_microbatches, self.chunk_spec)
         for r in self._runners.values():
             r.reset()
@@ -249,7 +259,10 @@ class Pipeline:
         topo = self.topology
         last_rank = self.schedule.placement[-1]
         loss, scale, _ = reduce_loss(
-            losses, self.holds_last_stage, topo.pp_global_ranks[last_rank], topo.pp_group,
+            losses,
+            self.holds_last_stage,
+            topo.pp_global_ranks[last_rank],
+            topo.pp_group,
             topo.dp_group,
         )
         reduce_grads(params, scale, topo.dp_group)

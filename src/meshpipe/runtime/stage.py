@@ -50,7 +50,12 @@ class StageRunner:
     """Runs one stage module: F, B, I and W for each microbatch of a step."""
 
     def __init__(
-        self, index: int, module: nn.Module, *, is_first: bool, is_last: bool,
+        self,
+        index: int,
+        module: nn.Module,
+        *,
+        is_first: bool,
+        is_last: bool,
         loss_fn: LossFn | None,
     ) -> None:
         self.index = index
@@ -72,7 +77,12 @@ class StageRunner:
         return self.module(value, **kwargs)
 
     def forward(
-        self, mb: int, value: Any, kwargs: dict[str, Any], target: Any, share: float,
+        self,
+        mb: int,
+        value: Any,
+        kwargs: dict[str, Any],
+        target: Any,
+        share: float,
         training: bool,
     ) -> Any:
         """Run F for ``mb``; returns the output to pass on (last stage: a LossRecord)."""
@@ -95,7 +105,9 @@ class StageRunner:
         saved.seed = torch.ones_like(loss.detach())
         return record
 
-    def _loss(self, out: Any, target: Any, share: float, mb: int) -> tuple[torch.Tensor, LossRecord]:
+    def _loss(
+        self, out: Any, target: Any, share: float, mb: int
+    ) -> tuple[torch.Tensor, LossRecord]:
         if self.loss_fn is None:
             raise PipelineError("step() needs a loss_fn; pass loss_fn= to Pipeline")
         result = self.loss_fn(out, target)

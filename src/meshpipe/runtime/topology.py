@@ -41,7 +41,9 @@ def init_mesh(
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
         if missing:
             raise PipelineError(
                 f"no process group and {missing} unset: launch with torchrun or "
