@@ -137,7 +137,13 @@ def _peer_never_comes() -> tuple[str, str, dict[str, Any]]:
         return (
             type(e).__name__,
             str(e),
-            {"rank": e.rank, "peer": e.peer, "mb": e.mb, "action": e.action},
+            {
+                "rank": e.rank,
+                "peer": e.peer,
+                "mb": e.mb,
+                "action": e.action,
+                "status": e.meshpipe_status,  # type: ignore[attr-defined]
+            },
         )
     return "nothing", "", {}
 
@@ -145,5 +151,8 @@ def _peer_never_comes() -> tuple[str, str, dict[str, Any]]:
 def test_stuck_peer_times_out_naming_what_was_awaited() -> None:
     kind, msg, fields = run_on_ranks(_peer_never_comes, 2, timeout=120)[0]
     assert kind == "CommTimeoutError", msg
+    status = fields.pop("status")
     assert fields == {"rank": 0, "peer": 1, "mb": 0, "action": "0B0"}
+    assert status["action"] == "0B0" and status["waiting_for_pp_rank"] == 1
+    assert status["coords"] == {"pp": 0, "dp": 0, "tp": 0}
     assert "grad[1->0, mb 0]" in msg and "rank 1" in msg

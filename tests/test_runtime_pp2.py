@@ -7,6 +7,8 @@ checks its own case's figures.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -125,10 +127,20 @@ def _accumulate_case(mesh: Any) -> dict[str, float]:
     return {"grad": grad_diff(pipe, ref)}
 
 
-def _all_cases() -> dict[str, dict[str, float]]:
+def _trace_case(mesh: Any, path: str) -> dict[str, float]:
+    pipe = meshpipe.Pipeline(blocks(4), mesh, schedule="1f1b", num_microbatches=4, loss_fn=mse)
+    pipe.step(torch.randn(8, D), target=torch.randn(8, D))
+    records = pipe.timeline()
+    pipe.save_trace(path)
+    ok = len(records) == 8 and all(r.start <= r.ready <= r.end for r in records)
+    return {"timeline_wrong": 0.0 if ok else 1.0}
+
+
+def _all_cases(trace_path: str) -> dict[str, dict[str, float]]:
     torch.manual_seed(0)
     mesh = meshpipe.init_mesh(pp=2)
     out: dict[str, dict[str, float]] = {}
+    out["trace"] = _trace_case(mesh, trace_path)
     for name in SCHEDULES:
         if registered(name):
             out[name] = parity_case(mesh, name, num_microbatches=8, batch=12)
@@ -148,8 +160,25 @@ def _all_cases() -> dict[str, dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, dict[str, float]]]:
-    return run_on_ranks(_all_cases, 2, timeout=240)
+def trace_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trace") / "trace.json"
+
+
+@pytest.fixture(scope="module")
+def results(trace_path: Path) -> list[dict[str, dict[str, float]]]:
+    return run_on_ranks(_all_cases, 2, str(trace_path), timeout=240)
+
+
+def test_timeline_and_merged_trace(
+    results: list[dict[str, dict[str, float]]], trace_path: Path
+) -> None:
+    _check(results, "trace")
+    trace = json.loads(trace_path.read_text())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    names = {(e["pid"], e["name"]) for e in events}
+    for rank in (0, 1):
+        for mb in range(4):
+            assert (rank, f"{rank}F{mb}") in names and (rank, f"{rank}B{mb}") in names
 
 
 def _check(results: list[dict[str, dict[str, float]]], case: str) -> None:

@@ -13,7 +13,7 @@ from meshpipe.runtime.stage import LossRecord, StageRunner, as_stage_input
 from meshpipe.schedule.comm import Transfer, recv_of, send_of
 from meshpipe.schedule.ir import Action, Op, Schedule
 
-__all__ = ["ActionRecord", "CommPlan", "plan_comm", "run_actions"]
+__all__ = ["ActionRecord", "CommPlan", "RankStatus", "plan_comm", "run_actions"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,14 @@ class ActionRecord:
     start: float
     ready: float
     end: float
+
+
+@dataclass
+class RankStatus:
+    """What this rank is doing now: the current action and the peer it waits for, if any."""
+
+    action: Action | None = None
+    waiting_for: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ def run_actions(
     mbs: Microbatches,
     comm: Comm,
     training: bool,
-    actions: tuple[Action, ...] | None = None,
+    status: RankStatus | None = None,
 ) -> tuple[dict[int, LossRecord], list[ActionRecord]]:
     """Execute this rank's actions in order; returns last-stage loss records and timings."""
     placement = schedule.placement
@@ -65,23 +73,28 @@ def run_actions(
     losses: dict[int, LossRecord] = {}
     records: list[ActionRecord] = []
     clock = time.perf_counter
-    for a in schedule.actions[rank] if actions is None else actions:
+    if status is None:
+        status = RankStatus()
+    for a in schedule.actions[rank]:
         s, mb = a.stage, a.mb
         st = stages[s]
         t0 = clock()
+        status.action = a
         if a.op is Op.F:
-            kwargs: dict[str, Any] = {}
+            value: Any = None
             if s == 0:
-                value: Any = mbs.args[mb]
-                kwargs = mbs.kwargs[mb]
+                pass
             elif placement[s - 1] == rank:
                 value = acts.pop((s, mb))
                 if training:
                     value = as_stage_input(value)
             else:
+                status.waiting_for = placement[s - 1]
                 value = comm.recv(placement[s - 1], Transfer("act", s - 1, s, mb), str(a))
+                status.waiting_for = None
             t1 = clock()
-            out = st.forward(mb, value, kwargs, mbs.targets[mb], shares[mb], training)
+            mb_inputs = (mbs.args[mb], mbs.kwargs[mb])
+            out = st.forward(mb, value, mb_inputs, mbs.targets[mb], shares[mb], training)
             if s == last:
                 if training:
                     losses[mb] = out
@@ -99,7 +112,9 @@ def run_actions(
                 if placement[s + 1] == rank:
                     g = grads.pop((s, mb))
                 else:
+                    status.waiting_for = placement[s + 1]
                     g = comm.recv(placement[s + 1], Transfer("grad", s + 1, s, mb), str(a))
+                    status.waiting_for = None
             t1 = clock()
             in_grads = st.backward(mb, g, split=a.op is Op.I)
             if s > 0:

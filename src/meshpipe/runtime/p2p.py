@@ -172,6 +172,8 @@ class Comm:
                 raise self._timeout_error(peer, transfer, doing) from None
         else:
             got, value = self._receive_one(peer, time.monotonic() + self.timeout)
+        if isinstance(value, CommTimeoutError):  # the receive thread gave up first
+            raise self._timeout_error(peer, transfer, doing) from value
         if isinstance(value, BaseException):
             raise value
         if got != transfer:

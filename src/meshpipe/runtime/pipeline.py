@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError, ScheduleError
-from meshpipe.runtime.executor import ActionRecord, CommPlan, plan_comm, run_actions
+from meshpipe.runtime.executor import ActionRecord, CommPlan, RankStatus, plan_comm, run_actions
 from meshpipe.runtime.microbatch import ChunkSpec, merge_outputs, split_microbatches
 from meshpipe.runtime.p2p import Comm
 from meshpipe.runtime.pytree import flatten
@@ -106,6 +109,8 @@ class Pipeline:
         self._infer = _inference_schedule(sched)
         self._plans: dict[int, CommPlan] = {}
         self._records: list[ActionRecord] = []
+        self._status = RankStatus()
+        self._steps = 0
 
     # -- construction helpers ----------------------------------------------------------
     def _resolve_schedule(
@@ -192,6 +197,59 @@ class Pipeline:
         """Measured action times of the last step or forward on this rank."""
         return list(self._records)
 
+    def status(self) -> dict[str, Any]:
+        """What this rank is doing (or was doing when it failed), as a JSON-able dict."""
+        topo = self.topology
+        st = self._status
+        peer = st.waiting_for
+        return {
+            "global_rank": dist.get_rank() if dist.is_initialized() else 0,
+            "pp_rank": topo.pp_rank,
+            "coords": dict(topo.coords),
+            "step": self._steps,
+            "action": None if st.action is None else str(st.action),
+            "mb": None if st.action is None else st.action.mb,
+            "waiting_for_pp_rank": peer,
+            "waiting_for_global_rank": None if peer is None else topo.pp_global_ranks[peer],
+        }
+
+    def save_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the last step's measured timeline of every rank as one Chrome trace JSON.
+
+        Collective: every process calls it; global rank 0 writes the file. Waits longer
+        than 20 us before an action's inputs arrive appear as "wait" events.
+        """
+        from meshpipe.sim.render import chrome_trace, save_chrome_trace
+
+        rows = [
+            (
+                str(r.action),
+                r.start,
+                r.end,
+                {
+                    "op": r.action.op.value,
+                    "stage": r.action.stage,
+                    "mb": r.action.mb,
+                    "wait_s": r.ready - r.start,
+                },
+            )
+            for r in self._records
+        ]
+        waits = [
+            (f"wait {r.action}", r.start, r.ready, {"wait": True})
+            for r in self._records
+            if r.ready - r.start > 20e-6
+        ]
+        mine = rows + waits
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, mine)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            t0 = min((row[1] for per in gathered for row in per), default=0.0)
+            shifted = [[(n, a - t0, b - t0, args) for n, a, b, args in per] for per in gathered]
+            trace = chrome_trace(shifted, metadata={"schedule": self.schedule.name})
+            save_chrome_trace(trace, path)
+
     # -- running -----------------------------------------------------------------------
     def _check_batch(self, args: tuple[Any, ...], target: Any, training: bool) -> None:
         if training and self.loss_fn is None:
@@ -234,14 +292,26 @@ class Pipeline:
         for r in self._runners.values():
             r.reset()
         comm, _ = self._comm(schedule)
+        self._status = RankStatus()
         try:
             losses, self._records = run_actions(
-                schedule, self.topology.pp_rank, self._runners, mbs, comm, training
+                schedule,
+                self.topology.pp_rank,
+                self._runners,
+                mbs,
+                comm,
+                training,
+                status=self._status,
             )
             comm.finish()
         except BaseException as e:
             comm.abort(f"{type(e).__name__}: {e}")
+            report = self.status()
+            log.error("meshpipe-status %s", json.dumps(report))
+            e.meshpipe_status = report  # type: ignore[attr-defined]
             raise
+        finally:
+            self._steps += 1
         return dict(losses)
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:

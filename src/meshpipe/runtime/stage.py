@@ -64,6 +64,7 @@ class StageRunner:
         self.is_last = is_last
         self.loss_fn = loss_fn
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.takes_model_inputs = bool(getattr(module, "meshpipe_model_inputs", False))
         self._saved: dict[int, _Saved] = {}
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
 
@@ -71,29 +72,38 @@ class StageRunner:
         self._saved.clear()
         self.outputs.clear()
 
-    def _call(self, value: Any, kwargs: dict[str, Any]) -> Any:
-        if self.is_first or isinstance(value, tuple):
-            return self.module(*value, **kwargs)
-        return self.module(value, **kwargs)
+    def _call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Protocol for stage modules that read the model's own inputs (made by meshpipe.split):
+        # a module with ``meshpipe_model_inputs = True`` is called as
+        # ``module(boundary_value, model_args, model_kwargs)``, boundary None on stage 0.
+        if self.takes_model_inputs:
+            return self.module(value, args, kwargs)
+        if self.is_first:
+            return self.module(*args, **kwargs)
+        if isinstance(value, tuple):
+            return self.module(*value)
+        return self.module(value)
 
     def forward(
         self,
         mb: int,
         value: Any,
-        kwargs: dict[str, Any],
+        mb_inputs: tuple[tuple[Any, ...], dict[str, Any]],
         target: Any,
         share: float,
         training: bool,
     ) -> Any:
-        """Run F for ``mb``; returns the output to pass on (last stage: a LossRecord)."""
+        """Run F for ``mb`` on the boundary ``value`` (None on stage 0) and the microbatch's
+        model inputs; returns the output to pass on (last stage: a LossRecord)."""
+        args, kwargs = mb_inputs
         if not training:
             with torch.no_grad():
-                out = self._call(value, kwargs)
+                out = self._call(value, args, kwargs)
             if self.is_last:
                 self.outputs[mb] = out
             return out
-        inputs, _ = flatten(value) if not self.is_first else ([], None)
-        out = self._call(value, kwargs)
+        inputs, _ = flatten(value)
+        out = self._call(value, args, kwargs)
         saved = _Saved(inputs=inputs)
         self._saved[mb] = saved
         if not self.is_last:
