@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from meshpipe.schedule.ir import Action, Op, Schedule
 
-__all__ = ["Transfer", "recv_of", "send_of", "message_orders"]
+__all__ = ["Transfer", "Wiring", "recv_of", "send_of", "message_orders", "wiring"]
 
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """One message: ``kind`` is "act" (forward) or "grad" (backward) for (src_stage -> dst_stage, mb)."""
+    """One message: ``kind`` "act" (forward) or "grad" (backward), (src_stage -> dst_stage, mb)."""
 
     kind: str
     src_stage: int
@@ -59,19 +59,85 @@ def send_of(schedule: Schedule, action: Action) -> tuple[int, Transfer] | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Wiring:
+    """Every action's messages, precomputed once per schedule (the fast path of replay).
+
+    Per rank and position: ``recv_peer``/``send_peer`` is the peer rank, or -1 when the
+    action receives/sends nothing; ``recv_code``/``send_code`` names the message as an int
+    (see :meth:`transfer`), equal on both sides of one message.
+    """
+
+    num_microbatches: int
+    recv_peer: tuple[list[int], ...]
+    recv_code: tuple[list[int], ...]
+    send_peer: tuple[list[int], ...]
+    send_code: tuple[list[int], ...]
+
+    def transfer(self, code: int) -> Transfer:
+        """The Transfer a message code stands for."""
+        stage, mb = divmod(code >> 1, self.num_microbatches)
+        if code & 1:
+            return Transfer("grad", stage, stage - 1, mb)
+        return Transfer("act", stage, stage + 1, mb)
+
+
+def wiring(schedule: Schedule) -> Wiring:
+    """Precompute who each action receives from and sends to (see :class:`Wiring`)."""
+    place, m = schedule.placement, schedule.num_microbatches
+    last = len(place) - 1
+    # per stage: peer rank of the forward/backward receive and send, -1 for none/local
+    f_src = [-1] + [place[s - 1] if place[s - 1] != place[s] else -1 for s in range(1, last + 1)]
+    f_dst = [place[s + 1] if place[s + 1] != place[s] else -1 for s in range(last)] + [-1]
+    b_src = [place[s + 1] if place[s + 1] != place[s] else -1 for s in range(last)] + [-1]
+    b_dst = [-1] + [place[s - 1] if place[s - 1] != place[s] else -1 for s in range(1, last + 1)]
+    op_f, op_w = Op.F, Op.W
+    rp: list[list[int]] = []
+    rc: list[list[int]] = []
+    sp: list[list[int]] = []
+    sc: list[list[int]] = []
+    for row in schedule.actions:
+        rpr: list[int] = []
+        rcr: list[int] = []
+        spr: list[int] = []
+        scr: list[int] = []
+        for a in row:
+            op, s, mb = a.op, a.stage, a.mb
+            if op is op_f:
+                rpr.append(f_src[s])
+                rcr.append(((s - 1) * m + mb) << 1)
+                spr.append(f_dst[s])
+                scr.append((s * m + mb) << 1)
+            elif op is op_w:
+                rpr.append(-1)
+                rcr.append(-1)
+                spr.append(-1)
+                scr.append(-1)
+            else:
+                rpr.append(b_src[s])
+                rcr.append((((s + 1) * m + mb) << 1) | 1)
+                spr.append(b_dst[s])
+                scr.append(((s * m + mb) << 1) | 1)
+        rp.append(rpr)
+        rc.append(rcr)
+        sp.append(spr)
+        sc.append(scr)
+    return Wiring(m, tuple(rp), tuple(rc), tuple(sp), tuple(sc))
+
+
 def message_orders(
     schedule: Schedule,
 ) -> tuple[dict[tuple[int, int], list[Transfer]], dict[tuple[int, int], list[Transfer]]]:
     """Per ordered pair (src, dst): the sends in src's posting order and the receives in
     dst's posting order. A schedule is matchable only if the two lists are equal per pair."""
+    w = wiring(schedule)
     sends: dict[tuple[int, int], list[Transfer]] = {}
     recvs: dict[tuple[int, int], list[Transfer]] = {}
-    for rank, row in enumerate(schedule.actions):
-        for a in row:
-            r = recv_of(schedule, a)
-            if r is not None:
-                recvs.setdefault((r[0], rank), []).append(r[1])
-            snd = send_of(schedule, a)
-            if snd is not None:
-                sends.setdefault((rank, snd[0]), []).append(snd[1])
+    for rank in range(schedule.num_ranks):
+        for peer, code in zip(w.recv_peer[rank], w.recv_code[rank], strict=True):
+            if peer >= 0:
+                recvs.setdefault((peer, rank), []).append(w.transfer(code))
+        for peer, code in zip(w.send_peer[rank], w.send_code[rank], strict=True):
+            if peer >= 0:
+                sends.setdefault((rank, peer), []).append(w.transfer(code))
     return sends, recvs

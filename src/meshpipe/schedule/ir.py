@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from meshpipe.errors import ScheduleError
 
@@ -22,6 +23,10 @@ class Op(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    # Enum hashes a member by its name from Python code; the name equals the str value, so
+    # str's C hash gives the same numbers, much faster (actions are hashed in hot loops).
+    __hash__ = str.__hash__
 
 
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
@@ -53,24 +58,53 @@ class Action:
         return cls(Op(m.group(2)), int(m.group(1)), int(m.group(3)))
 
 
+# Building many actions is the main cost of large generators: set the slots directly
+# instead of going through the frozen dataclass __init__ (same object, about twice as fast).
+_new = object.__new__
+_set_op: Any = Action.__dict__["op"].__set__
+_set_stage: Any = Action.__dict__["stage"].__set__
+_set_mb: Any = Action.__dict__["mb"].__set__
+
+
+def _action(op: Op, stage: int, mb: int) -> Action:
+    a = _new(Action)
+    _set_op(a, op)
+    _set_stage(a, stage)
+    _set_mb(a, mb)
+    return a
+
+
+def actions_from(triples: Iterable[tuple[Op, int, int]]) -> list[Action]:
+    """Actions for ``(op, stage, mb)`` triples, in order (the fast path for generators)."""
+    out: list[Action] = []
+    append = out.append
+    for op, stage, mb in triples:
+        a = _new(Action)
+        _set_op(a, op)
+        _set_stage(a, stage)
+        _set_mb(a, mb)
+        append(a)
+    return out
+
+
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - short constructors read like the text form
     """Forward action."""
-    return Action(Op.F, stage, mb)
+    return _action(Op.F, stage, mb)
 
 
 def B(stage: int, mb: int) -> Action:  # noqa: N802
     """Full backward action."""
-    return Action(Op.B, stage, mb)
+    return _action(Op.B, stage, mb)
 
 
 def I(stage: int, mb: int) -> Action:  # noqa: N802, E743
     """Input-only backward action."""
-    return Action(Op.I, stage, mb)
+    return _action(Op.I, stage, mb)
 
 
 def W(stage: int, mb: int) -> Action:  # noqa: N802
     """Weight-only backward action."""
-    return Action(Op.W, stage, mb)
+    return _action(Op.W, stage, mb)
 
 
 @dataclass(frozen=True)
@@ -116,26 +150,33 @@ class Schedule:
             for pos, a in enumerate(row):
                 if not isinstance(a, Action):
                     raise ScheduleError(
-                        f"rank {rank} position {pos}: {a!r} is not an Action", rank=rank,
+                        f"rank {rank} position {pos}: {a!r} is not an Action",
+                        rank=rank,
                         position=pos,
                     )
                 if not 0 <= a.stage < num_stages:
                     raise ScheduleError(
                         f"rank {rank} position {pos}: action {a} names stage {a.stage}, "
                         f"but there are {num_stages} stages",
-                        rank=rank, position=pos, action=a,
+                        rank=rank,
+                        position=pos,
+                        action=a,
                     )
                 if not 0 <= a.mb < self.num_microbatches:
                     raise ScheduleError(
                         f"rank {rank} position {pos}: action {a} names microbatch {a.mb}, "
                         f"but there are {self.num_microbatches} microbatches",
-                        rank=rank, position=pos, action=a,
+                        rank=rank,
+                        position=pos,
+                        action=a,
                     )
                 if self.placement[a.stage] != rank:
                     raise ScheduleError(
                         f"rank {rank} position {pos}: action {a} runs stage {a.stage}, which "
                         f"is placed on rank {self.placement[a.stage]}",
-                        rank=rank, position=pos, action=a,
+                        rank=rank,
+                        position=pos,
+                        action=a,
                     )
 
     # -- derived sizes ---------------------------------------------------------------
@@ -197,12 +238,16 @@ class Schedule:
                     raise ScheduleError(
                         f"stage {a.stage} appears on rank {prev} and on rank {rank} "
                         f"(position {pos}, action {a}); a stage runs on one rank",
-                        rank=rank, position=pos, action=a,
+                        rank=rank,
+                        position=pos,
+                        action=a,
                     )
         num_stages = max(owner) + 1
         missing = [s for s in range(num_stages) if s not in owner]
         if missing:
-            raise ScheduleError(f"stages {missing} have no actions (stages run 0..{num_stages - 1})")
+            raise ScheduleError(
+                f"stages {missing} have no actions (stages run 0..{num_stages - 1})"
+            )
         max_mb = max(a.mb for row in rows for a in row)
         m = max_mb + 1 if num_microbatches is None else num_microbatches
         return cls(

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshpipe.errors import ScheduleError
-from meshpipe.schedule.comm import Transfer, message_orders, recv_of, send_of
-from meshpipe.schedule.ir import Action, Schedule
+from meshpipe.schedule.comm import Transfer, Wiring, wiring
+from meshpipe.schedule.ir import Action, Op, Schedule
 
-__all__ = ["Event", "replay", "check_message_order"]
+__all__ = ["Event", "replay", "check_message_order", "check_dataflow"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,35 +28,145 @@ class Event:
     end: float
 
 
-def check_message_order(schedule: Schedule) -> None:
+def check_message_order(schedule: Schedule, wires: Wiring | None = None) -> None:
     """Raise ScheduleError if, for some pair of ranks, receives are posted in another order
     than the matching sends (messages are matched in posting order, not by tag)."""
-    sends, recvs = message_orders(schedule)
-    for pair in sorted(set(sends) | set(recvs)):
-        s_list, r_list = sends.get(pair, []), recvs.get(pair, [])
-        for k in range(max(len(s_list), len(r_list))):
-            s = s_list[k] if k < len(s_list) else None
-            r = r_list[k] if k < len(r_list) else None
-            if s == r:
-                continue
-            src, dst = pair
-            rank, action = _locate_recv(schedule, dst, r) if r is not None else (dst, None)
-            pos = schedule.actions[dst].index(action) if action is not None else None
-            raise ScheduleError(
-                f"rank {dst} posts its receive #{k} from rank {src} for {r}, but rank {src}'s "
-                f"send #{k} to rank {dst} is {s}; messages are matched in posting order, so "
-                f"this pairing is wrong (rank {rank}, position {pos}, action {action})\n"
-                + schedule.grid(marker=(dst, pos) if pos is not None else None),
-                rank=dst, position=pos, action=action,
+    w = wiring(schedule) if wires is None else wires
+    p = schedule.num_ranks
+    sends: list[list[int]] = [[] for _ in range(p * p)]  # per pair src * p + dst
+    recvs: list[list[int]] = [[] for _ in range(p * p)]
+    for rank in range(p):
+        for peer, code in zip(w.recv_peer[rank], w.recv_code[rank]):  # noqa: B905 - hot loop
+            if peer >= 0:
+                recvs[peer * p + rank].append(code)
+        for peer, code in zip(w.send_peer[rank], w.send_code[rank]):  # noqa: B905
+            if peer >= 0:
+                sends[rank * p + peer].append(code)
+    for pair in range(p * p):
+        s_list, r_list = sends[pair], recvs[pair]
+        if s_list != r_list:
+            k = next(
+                i
+                for i in range(max(len(s_list), len(r_list)))
+                if i >= len(s_list) or i >= len(r_list) or s_list[i] != r_list[i]
             )
+            _raise_mismatch(schedule, w, divmod(pair, p), k, s_list, r_list)
 
 
-def _locate_recv(schedule: Schedule, rank: int, t: Transfer) -> tuple[int, Action | None]:
-    for a in schedule.actions[rank]:
-        r = recv_of(schedule, a)
-        if r is not None and r[1] == t:
-            return rank, a
-    return rank, None
+def _raise_mismatch(
+    schedule: Schedule,
+    w: Wiring,
+    pair: tuple[int, int],
+    k: int,
+    s_list: list[int],
+    r_list: list[int],
+) -> None:
+    src, dst = pair
+    sent = str(w.transfer(s_list[k])) if k < len(s_list) else "nothing (no such send)"
+    if k < len(r_list):
+        peers = w.recv_peer[dst]
+        pos: int | None = [i for i, peer in enumerate(peers) if peer == src][k]
+        action: Action | None = schedule.actions[dst][pos] if pos is not None else None
+        wanted = str(w.transfer(r_list[k]))
+        where = f"position {pos}, action {action}"
+    else:
+        pos, action, wanted = None, None, "nothing (no such receive)"
+        where = "no receive posted"
+    raise ScheduleError(
+        f"rank {dst} posts its receive #{k} from rank {src} for {wanted}, but rank {src}'s "
+        f"send #{k} to rank {dst} is {sent}; messages are matched in posting order, so "
+        f"this pairing is wrong (rank {dst}, {where})\n"
+        + schedule.grid(marker=(dst, pos) if pos is not None else None),
+        rank=dst,
+        position=pos,
+        action=action,
+    )
+
+
+def _peer_tables(placement: tuple[int, ...]) -> tuple[list[int], ...]:
+    """Per stage: rank an F receives from / sends to, and a B or I receives from / sends to;
+    -1 where there is no message (first or last stage, or the neighbour on the same rank)."""
+    last = len(placement) - 1
+    prev = [-1] + [placement[s - 1] for s in range(1, last + 1)]
+    nxt = [placement[s + 1] for s in range(last)] + [-1]
+    prev = [r if r != placement[s] else -1 for s, r in enumerate(prev)]
+    nxt = [r if r != placement[s] else -1 for s, r in enumerate(nxt)]
+    return prev, nxt, nxt, prev
+
+
+def check_dataflow(schedule: Schedule) -> None:
+    """Raise ScheduleError on a posting-order mismatch or a deadlock.
+
+    One pass that runs every rank's row with blocking receives and checks that each receive
+    gets the message it names; when something is wrong, the detailed checks
+    (:func:`check_message_order`, then the deadlock report) say what and where.
+    """
+    p, m = schedule.num_ranks, schedule.num_microbatches
+    f_src, f_dst, b_src, b_dst = _peer_tables(schedule.placement)
+    sent: list[list[int]] = [[] for _ in range(p * p)]  # message codes per pair src * p + dst
+    consumed = [0] * (p * p)
+    pos = [0] * p
+    waiting: dict[int, int] = {}  # pair -> rank blocked on it
+    ready = list(range(p))
+    op_f, op_w = Op.F, Op.W
+    ok = True
+    while ready and ok:
+        rank = ready.pop()
+        row, i = schedule.actions[rank], pos[rank]
+        n = len(row)
+        while i < n:
+            a = row[i]
+            op = a.op
+            if op is not op_w:
+                s = a.stage
+                fwd = op is op_f
+                src = f_src[s] if fwd else b_src[s]
+                if src >= 0:
+                    pair = src * p + rank
+                    k, got = consumed[pair], sent[pair]
+                    if k >= len(got):
+                        waiting[pair] = rank
+                        break
+                    if got[k] != (
+                        ((s - 1) * m + a.mb) << 1 if fwd else ((s + 1) * m + a.mb) << 1 | 1
+                    ):
+                        ok = False
+                        break
+                    consumed[pair] = k + 1
+                dst = f_dst[s] if fwd else b_dst[s]
+                if dst >= 0:
+                    pair = rank * p + dst
+                    sent[pair].append((s * m + a.mb) << 1 | (not fwd))
+                    woken = waiting.pop(pair, None)
+                    if woken is not None:
+                        ready.append(woken)
+            i += 1
+        pos[rank] = i
+    if ok and all(pos[r] == len(row) for r, row in enumerate(schedule.actions)):
+        return
+    w = wiring(schedule)
+    check_message_order(schedule, w)
+    _raise_if_stuck(schedule, w, pos)
+    raise AssertionError("unreachable: dataflow failed but no mismatch or deadlock was found")
+
+
+def _raise_if_stuck(schedule: Schedule, w: Wiring, pos: list[int]) -> None:
+    stuck = [r for r in range(schedule.num_ranks) if pos[r] < len(schedule.actions[r])]
+    if not stuck:
+        return
+    lines = []
+    for r in stuck:
+        a = schedule.actions[r][pos[r]]
+        peer = w.recv_peer[r][pos[r]]
+        what = f"{w.transfer(w.recv_code[r][pos[r]])} from rank {peer}" if peer >= 0 else "nothing"
+        lines.append(f"rank {r} at position {pos[r]} ({a}) waits for {what}")
+    r0 = stuck[0]
+    raise ScheduleError(
+        "schedule deadlocks: " + "; ".join(lines) + "\n" + schedule.grid(marker=(r0, pos[r0])),
+        rank=r0,
+        position=pos[r0],
+        action=schedule.actions[r0][pos[r0]],
+    )
 
 
 def replay(
@@ -65,56 +175,53 @@ def replay(
     transfer_time: Callable[[Transfer], float] | float = 0.0,
 ) -> tuple[tuple[Event, ...], ...]:
     """Start and end of every action, per rank. Raises ScheduleError on mismatch or deadlock."""
-    check_message_order(schedule)
-    p2p = (lambda _t: float(transfer_time)) if not callable(transfer_time) else transfer_time
-    num_ranks = schedule.num_ranks
-    # arrival[(src, dst)] = arrival times of the sends posted so far, in posting order
-    arrival: dict[tuple[int, int], list[float]] = {}
-    consumed: dict[tuple[int, int], int] = {}
-    pos = [0] * num_ranks
-    clock = [0.0] * num_ranks
-    events: list[list[Event]] = [[] for _ in range(num_ranks)]
-    waiting: dict[tuple[int, int], int] = {}  # pair -> rank blocked on it
-    ready = list(range(num_ranks))
+    w = wiring(schedule)
+    check_message_order(schedule, w)
+    if callable(transfer_time):
+        fn = transfer_time
+
+        def p2p(code: int) -> float:
+            return float(fn(w.transfer(code)))
+    else:
+        fixed = float(transfer_time)
+
+        def p2p(code: int) -> float:
+            return fixed
+
+    p = schedule.num_ranks
+    arrival: list[list[float]] = [[] for _ in range(p * p)]  # per pair, in posting order
+    consumed = [0] * (p * p)
+    pos = [0] * p
+    clock = [0.0] * p
+    events: list[list[Event]] = [[] for _ in range(p)]
+    waiting: dict[int, int] = {}  # pair -> rank blocked on it
+    ready = list(range(p))
     while ready:
         rank = ready.pop()
-        row = schedule.actions[rank]
-        while pos[rank] < len(row):
-            a = row[pos[rank]]
-            start = clock[rank]
-            r = recv_of(schedule, a)
-            if r is not None:
-                pair = (r[0], rank)
-                k = consumed.get(pair, 0)
-                got = arrival.get(pair, [])
+        row, out = schedule.actions[rank], events[rank]
+        i, t = pos[rank], clock[rank]
+        r_peer, s_peer, s_code = w.recv_peer[rank], w.send_peer[rank], w.send_code[rank]
+        while i < len(row):
+            a, start = row[i], t
+            src = r_peer[i]
+            if src >= 0:
+                pair = src * p + rank
+                k, got = consumed[pair], arrival[pair]
                 if k >= len(got):
                     waiting[pair] = rank
                     break
                 start = max(start, got[k])
                 consumed[pair] = k + 1
-            end = start + float(duration(a))
-            events[rank].append(Event(rank, a, start, end))
-            clock[rank] = end
-            pos[rank] += 1
-            snd = send_of(schedule, a)
-            if snd is not None:
-                pair = (rank, snd[0])
-                arrival.setdefault(pair, []).append(end + float(p2p(snd[1])))
+            t = start + float(duration(a))
+            out.append(Event(rank, a, start, t))
+            i += 1
+            dst = s_peer[i - 1]
+            if dst >= 0:
+                pair = rank * p + dst
+                arrival[pair].append(t + p2p(s_code[i - 1]))
                 woken = waiting.pop(pair, None)
                 if woken is not None:
                     ready.append(woken)
-    stuck = [r for r in range(num_ranks) if pos[r] < len(schedule.actions[r])]
-    if stuck:
-        lines = []
-        for r in stuck:
-            a = schedule.actions[r][pos[r]]
-            rv = recv_of(schedule, a)
-            what = f"{rv[1]} from rank {rv[0]}" if rv is not None else "nothing"
-            lines.append(f"rank {r} at position {pos[r]} ({a}) waits for {what}")
-        r0 = stuck[0]
-        raise ScheduleError(
-            "schedule deadlocks: " + "; ".join(lines) + "\n"
-            + schedule.grid(marker=(r0, pos[r0])),
-            rank=r0, position=pos[r0], action=schedule.actions[r0][pos[r0]],
-        )
+        pos[rank], clock[rank] = i, t
+    _raise_if_stuck(schedule, w, pos)
     return tuple(tuple(ev) for ev in events)
