@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -151,6 +152,22 @@ def _peak(row: tuple[object, ...]) -> int:
         elif last[key] == pos:
             held -= 1
     return peak
+
+
+@pytest.mark.parametrize(
+    ("name", "limit"),
+    [
+        ("1f1b", lambda p, m: min(p, m)),
+        ("zbh1", lambda p, m: min(p, m)),  # never above 1F1B's rank 0
+        ("zbv", lambda p, m: 2 * min(p, m)),  # half-size stages: the same memory as 1F1B
+        ("dualpipev", lambda p, m: 2 * min(p, m) + 2),
+    ],
+)
+def test_peak_activations_everywhere(name: str, limit: Callable[[int, int], int]) -> None:
+    for p in RANKS:
+        for m in MICROBATCHES:
+            s = get_schedule(name, p, m)
+            assert max(map(_peak, s.actions)) <= limit(p, m), (p, m)
 
 
 @pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 5), (4, 8), (8, 3)])

@@ -66,7 +66,8 @@ _set_stage: Any = Action.__dict__["stage"].__set__
 _set_mb: Any = Action.__dict__["mb"].__set__
 
 
-def _action(op: Op, stage: int, mb: int) -> Action:
+def new_action(op: Op, stage: int, mb: int) -> Action:
+    """``Action(op, stage, mb)``, built faster (the fast path for generators)."""
     a = _new(Action)
     _set_op(a, op)
     _set_stage(a, stage)
@@ -89,22 +90,22 @@ def actions_from(triples: Iterable[tuple[Op, int, int]]) -> list[Action]:
 
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - short constructors read like the text form
     """Forward action."""
-    return _action(Op.F, stage, mb)
+    return new_action(Op.F, stage, mb)
 
 
 def B(stage: int, mb: int) -> Action:  # noqa: N802
     """Full backward action."""
-    return _action(Op.B, stage, mb)
+    return new_action(Op.B, stage, mb)
 
 
 def I(stage: int, mb: int) -> Action:  # noqa: N802, E743
     """Input-only backward action."""
-    return _action(Op.I, stage, mb)
+    return new_action(Op.I, stage, mb)
 
 
 def W(stage: int, mb: int) -> Action:  # noqa: N802
     """Weight-only backward action."""
-    return _action(Op.W, stage, mb)
+    return new_action(Op.W, stage, mb)
 
 
 @dataclass(frozen=True)

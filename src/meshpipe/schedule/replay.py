@@ -83,15 +83,26 @@ def _raise_mismatch(
     )
 
 
-def _peer_tables(placement: tuple[int, ...]) -> tuple[list[int], ...]:
-    """Per stage: rank an F receives from / sends to, and a B or I receives from / sends to;
-    -1 where there is no message (first or last stage, or the neighbour on the same rank)."""
-    last = len(placement) - 1
-    prev = [-1] + [placement[s - 1] for s in range(1, last + 1)]
-    nxt = [placement[s + 1] for s in range(last)] + [-1]
-    prev = [r if r != placement[s] else -1 for s, r in enumerate(prev)]
-    nxt = [r if r != placement[s] else -1 for s, r in enumerate(nxt)]
-    return prev, nxt, nxt, prev
+def _links(schedule: Schedule) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per stage, for its F and for its B/I: the pair ``src * p + dst`` it receives on and
+    the one it sends on (-1: none, or a neighbour on the same rank). A message's code is
+    ``2 * (src_stage * m + mb) + (1 for a gradient)``, the same on both sides."""
+    place, p = schedule.placement, schedule.num_ranks
+    last = len(place) - 1
+
+    def pair(src_stage: int, dst_stage: int) -> int:
+        if not 0 <= src_stage <= last or not 0 <= dst_stage <= last:
+            return -1
+        src, dst = place[src_stage], place[dst_stage]
+        return -1 if src == dst else src * p + dst
+
+    stages = range(last + 1)
+    return (
+        [pair(s - 1, s) for s in stages],  # F receives the activation
+        [pair(s, s + 1) for s in stages],  # F sends its output
+        [pair(s + 1, s) for s in stages],  # B/I receives the gradient
+        [pair(s, s - 1) for s in stages],  # B/I sends the input gradient
+    )
 
 
 def check_dataflow(schedule: Schedule) -> None:
@@ -101,12 +112,12 @@ def check_dataflow(schedule: Schedule) -> None:
     gets the message it names; when something is wrong, the detailed checks
     (:func:`check_message_order`, then the deadlock report) say what and where.
     """
-    p, m = schedule.num_ranks, schedule.num_microbatches
-    f_src, f_dst, b_src, b_dst = _peer_tables(schedule.placement)
-    sent: list[list[int]] = [[] for _ in range(p * p)]  # message codes per pair src * p + dst
+    p, m2 = schedule.num_ranks, 2 * schedule.num_microbatches
+    f_in, f_out, b_in, b_out = _links(schedule)
+    sent: list[list[int]] = [[] for _ in range(p * p)]  # message codes posted, per pair
     consumed = [0] * (p * p)
+    waiting = [-1] * (p * p)  # rank blocked on the pair, or -1
     pos = [0] * p
-    waiting: dict[int, int] = {}  # pair -> rank blocked on it
     ready = list(range(p))
     op_f, op_w = Op.F, Op.W
     ok = True
@@ -119,27 +130,24 @@ def check_dataflow(schedule: Schedule) -> None:
             op = a.op
             if op is not op_w:
                 s = a.stage
-                fwd = op is op_f
-                src = f_src[s] if fwd else b_src[s]
-                if src >= 0:
-                    pair = src * p + rank
-                    k, got = consumed[pair], sent[pair]
+                if op is op_f:
+                    pin, pout, code_in, code_out = f_in[s], f_out[s], (s - 1) * m2, s * m2
+                else:
+                    pin, pout, code_in, code_out = b_in[s], b_out[s], (s + 1) * m2 + 1, s * m2 + 1
+                if pin >= 0:
+                    k, got = consumed[pin], sent[pin]
                     if k >= len(got):
-                        waiting[pair] = rank
+                        waiting[pin] = rank
                         break
-                    if got[k] != (
-                        ((s - 1) * m + a.mb) << 1 if fwd else ((s + 1) * m + a.mb) << 1 | 1
-                    ):
+                    if got[k] != code_in + 2 * a.mb:
                         ok = False
                         break
-                    consumed[pair] = k + 1
-                dst = f_dst[s] if fwd else b_dst[s]
-                if dst >= 0:
-                    pair = rank * p + dst
-                    sent[pair].append((s * m + a.mb) << 1 | (not fwd))
-                    woken = waiting.pop(pair, None)
-                    if woken is not None:
-                        ready.append(woken)
+                    consumed[pin] = k + 1
+                if pout >= 0:
+                    sent[pout].append(code_out + 2 * a.mb)
+                    if waiting[pout] >= 0:
+                        ready.append(waiting[pout])
+                        waiting[pout] = -1
             i += 1
         pos[rank] = i
     if ok and all(pos[r] == len(row) for r, row in enumerate(schedule.actions)):

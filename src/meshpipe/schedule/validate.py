@@ -29,8 +29,6 @@ from meshpipe.schedule.replay import check_dataflow
 
 __all__ = ["validate"]
 
-_OPS = (Op.F, Op.B, Op.I, Op.W)
-
 
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError unless ``schedule`` is complete, ordered and deadlock-free."""

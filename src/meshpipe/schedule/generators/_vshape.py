@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from meshpipe.schedule.ir import Op, Schedule, actions_from, make_schedule
+from meshpipe.schedule.ir import Action, Op, Schedule, make_schedule, new_action
 
 __all__ = ["VPlan", "v_placement", "build_v"]
 
@@ -69,12 +69,115 @@ def _stream(m: int, window: int) -> tuple[list[bool], list[int]]:
     return kinds, mbs
 
 
-def _positions(kinds: list[bool], mbs: list[int], m: int) -> tuple[list[int], list[int]]:
-    """Stream position of each microbatch's forward and of its backward."""
-    pos_f, pos_b = [0] * m, [0] * m
-    for i, (is_bwd, k) in enumerate(zip(kinds, mbs, strict=True)):
-        (pos_b if is_bwd else pos_f)[k] = i
-    return pos_f, pos_b
+class _Streams:
+    """The two streams (``kinds[i]``: is position i a backward; ``mbs[i]``: its microbatch)
+    and where each microbatch's forward and backward sit in them."""
+
+    def __init__(self, m: int, plan: VPlan) -> None:
+        self.dk, self.dm = _stream(m, plan.window_down)
+        self.uk, self.um = _stream(m, plan.window_up)
+        self.pos_bd = [0] * m  # down stream: backward of chunk 1
+        self.pos_fu, self.pos_bu = [0] * m, [0] * m  # up stream: F and backward of chunk 0
+        for i, (is_bwd, k) in enumerate(zip(self.dk, self.dm, strict=True)):
+            if is_bwd:
+                self.pos_bd[k] = i
+        for i, (is_bwd, k) in enumerate(zip(self.uk, self.um, strict=True)):
+            (self.pos_bu if is_bwd else self.pos_fu)[k] = i
+
+
+class _Rank:
+    """One rank's merge state. ``src_d[i]``/``src_u[i]``: the tick from which position i of
+    the down/up stream can start here. For an inner rank that is when its neighbour finished
+    the same position (the message is sent); rank 0 and the tip rank have their own list,
+    filled in as their local turn of the V completes."""
+
+    __slots__ = (
+        "r", "top", "st", "plan", "n", "m2", "split_from", "row", "pend", "i", "j", "free_at",
+        "held", "last", "fwds", "fin_d", "fin_u", "src_d", "src_u", "turn_d", "turn_u",
+    )  # fmt: skip
+
+    def __init__(self, r: int, p: int, m: int, st: _Streams, plan: VPlan) -> None:
+        self.r, self.top, self.st, self.plan = r, 2 * p - 1 - r, st, plan
+        self.n, self.m2 = len(st.dk), 2 * m
+        self.split_from = p - 1 - r  # DualPipeV splits the first p-r-1 chunk-1 backwards
+        self.row: list[Action] = []
+        self.pend: deque[tuple[int, int]] = deque()
+        self.i = self.j = self.free_at = self.held = self.last = self.fwds = 0
+        self.fin_d, self.fin_u = [_NEVER] * self.n, [_NEVER] * self.n
+        self.turn_d, self.turn_u = r == 0, r == p - 1
+        # rank 0 may start a chunk-0 forward at once; its chunk-1 backward waits for its F
+        self.src_d = [_NEVER if b else 0 for b in st.dk] if self.turn_d else []
+        self.src_u = [_NEVER] * self.n if self.turn_u else []
+
+    def link(self, up: _Rank | None, down: _Rank | None) -> None:
+        """Read messages from the rank before (down stream) and after (up stream)."""
+        if up is not None:
+            self.src_d = up.fin_d
+        if down is not None:
+            self.src_u = down.fin_u
+
+    def done(self) -> bool:
+        return self.i == self.n and self.j == self.n and not self.pend
+
+    def pick(self, t: int) -> int:
+        """0 nothing, 1 the down-stream head, 2 the up-stream head, 3 the oldest pending W."""
+        i, j = self.i, self.j
+        rd = i < self.n and self.src_d[i] <= t
+        ru = j < self.n and self.src_u[j] <= t
+        if not (rd or ru):
+            return 3 if self.pend else 0
+        if not self.plan.pair:
+            pick = 2 if ru else 1  # ZB-V: the up stream first
+        else:
+            pick = _pair_pick(self.last, rd, ru, rd and self.st.dk[i], ru and self.st.uk[j])
+        is_bwd = self.st.dk[i] if pick == 1 else self.st.uk[j]
+        if self.pend and not is_bwd and self.held >= self.plan.memory_cap:
+            return 3  # memory is full and the pick is a forward: free some first
+        return pick
+
+    def run(self, t: int, pick: int) -> None:
+        """Start the picked action at tick t."""
+        end = t + 1
+        if pick == 3:
+            stage, mb = self.pend.popleft()
+            self.row.append(new_action(Op.W, stage, mb))
+            self.held -= 1
+            self.last = 0
+        elif pick == 1:
+            i = self.i
+            end = self._run_head(t, self.st.dk[i], self.st.dm[i], down=True)
+            self.fin_d[i], self.i = end, i + 1
+        else:
+            j = self.j
+            end = self._run_head(t, self.st.uk[j], self.st.um[j], down=False)
+            self.fin_u[j], self.j = end, j + 1
+        self.free_at = end
+
+    def _run_head(self, t: int, is_bwd: bool, mb: int, down: bool) -> int:
+        st, end = self.st, t + 1
+        if not is_bwd:
+            self.row.append(new_action(Op.F, self.r if down else self.top, mb))
+            self.held += 1
+            self.fwds += 1
+            self.last = 1 if down else 3
+            if down and self.turn_u:  # F of stage p-1 feeds stage p on this rank
+                self.src_u[st.pos_fu[mb]] = end
+            elif not down and self.turn_d:  # F of the last stage: its backward may follow
+                self.src_d[st.pos_bd[mb]] = end
+            return end
+        stage = self.top if down else self.r
+        plan = self.plan
+        if plan.split_all or self.fwds == self.m2 or (down and mb < self.split_from):
+            self.row.append(new_action(Op.I, stage, mb))
+            self.pend.append((stage, mb))
+        else:
+            self.row.append(new_action(Op.B, stage, mb))
+            self.held -= 1
+            end = t + plan.cost_b
+        self.last = 2 if down else 4
+        if down and self.turn_u:  # backward of stage p feeds stage p-1 on this rank
+            self.src_u[st.pos_bu[mb]] = end
+        return end
 
 
 def _pair_pick(last: int, rd: bool, ru: bool, d_bwd: bool, u_bwd: bool) -> int:
@@ -88,91 +191,27 @@ def _pair_pick(last: int, rd: bool, ru: bool, d_bwd: bool, u_bwd: bool) -> int:
     return 1 if rd else 2
 
 
-def _merge(p: int, m: int, plan: VPlan) -> list[list[tuple[Op, int, int]]]:
-    """Every rank's row as (op, stage, mb) triples: the tick-by-tick merge (hot loop)."""
-    dk, dm = _stream(m, plan.window_down)
-    uk, um = _stream(m, plan.window_up)
-    n, tip, top, cap = len(dk), p - 1, 2 * p - 1, plan.memory_cap
-    pos_fd, pos_bd = _positions(dk, dm, m)
-    pos_fu, _ = _positions(uk, um, m)
-    fin_d = [[_NEVER] * n for _ in range(p)]  # finish tick of each stream position, per rank
-    fin_u = [[_NEVER] * n for _ in range(p)]
-    i_d, i_u, free_at, held, last = [0] * p, [0] * p, [0] * p, [0] * p, [0] * p
-    fwds = [0] * p
-    pend: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
-    rows: list[list[tuple[Op, int, int]]] = [[] for _ in range(p)]
-    op_f, op_i, op_b, op_w = Op.F, Op.I, Op.B, Op.W
-    left, t = p, 0
-    while left:
-        moved = False
-        for r in range(p):
-            i, j, q = i_d[r], i_u[r], pend[r]
-            if free_at[r] > t or (i == n and j == n and not q):
-                continue
-            # a head is ready once the neighbour that sends it has finished it; rank 0 and
-            # the tip rank turn the V round locally
-            rd = i < n and (
-                fin_d[r - 1][i] <= t if r else (not dk[i] or fin_u[0][pos_fu[dm[i]]] <= t)
-            )
-            ru = j < n and (
-                fin_u[r + 1][j] <= t
-                if r < tip
-                else fin_d[r][(pos_bd if uk[j] else pos_fd)[um[j]]] <= t
-            )
-            if rd or ru:
-                pick = (
-                    _pair_pick(last[r], rd, ru, rd and dk[i], ru and uk[j])
-                    if plan.pair
-                    else 2
-                    if ru
-                    else 1
-                )
-                down = pick == 1
-                is_bwd = dk[i] if down else uk[j]
-                if q and not is_bwd and held[r] >= cap:
-                    pick = 3  # memory is full and the pick is a forward: free some first
-            elif q:
-                pick = 3
-            else:
-                continue
-            moved, row, end = True, rows[r], t + 1
-            if pick == 3:
-                stage, mb = q.popleft()
-                row.append((op_w, stage, mb))
-                held[r] -= 1
-                last[r] = 0
-            else:
-                mb = dm[i] if down else um[j]
-                if not is_bwd:
-                    row.append((op_f, r if down else top - r, mb))
-                    held[r] += 1
-                    fwds[r] += 1
-                    last[r] = 1 if down else 3
-                else:
-                    stage = top - r if down else r
-                    if plan.split_all or fwds[r] == 2 * m or (down and mb < tip - r):
-                        row.append((op_i, stage, mb))
-                        q.append((stage, mb))
-                    else:
-                        row.append((op_b, stage, mb))
-                        held[r] -= 1
-                        end = t + plan.cost_b
-                    last[r] = 2 if down else 4
-                if down:
-                    fin_d[r][i], i_d[r] = end, i + 1
-                else:
-                    fin_u[r][j], i_u[r] = end, j + 1
-            free_at[r] = end
-            if i_d[r] == n and i_u[r] == n and not q:
-                left -= 1
-        if not moved and t >= max(free_at):
-            # nothing running and nothing ready: the plan cannot finish (a bug, not input)
-            raise RuntimeError(f"stream merge stuck at tick {t} under {plan}")
-        t += 1
-    return rows
-
-
 def build_v(name: str, num_ranks: int, num_microbatches: int, plan: VPlan) -> Schedule:
     """Merge the two streams on every rank under ``plan`` and return the schedule."""
-    rows = [actions_from(row) for row in _merge(num_ranks, num_microbatches, plan)]
+    st = _Streams(num_microbatches, plan)
+    ranks = [_Rank(r, num_ranks, num_microbatches, st, plan) for r in range(num_ranks)]
+    for r, rank in enumerate(ranks):
+        rank.link(ranks[r - 1] if r else None, ranks[r + 1] if r + 1 < num_ranks else None)
+    active, t, n = ranks, 0, len(st.dk)
+    while active:
+        moved = finished = False
+        for rank in active:
+            if rank.free_at <= t:
+                pick = rank.pick(t)
+                if pick:
+                    rank.run(t, pick)
+                    moved = True
+                    finished = finished or (rank.i == n and rank.j == n and not rank.pend)
+        if not moved and t >= max(rank.free_at for rank in ranks):
+            # nothing running and nothing ready: the plan cannot finish (a bug, not input)
+            raise RuntimeError(f"{name}: stream merge stuck at tick {t} under {plan}")
+        t += 1
+        if finished:
+            active = [rank for rank in active if not rank.done()]
+    rows = [rank.row for rank in ranks]
     return make_schedule(name, num_ranks, num_microbatches, v_placement(num_ranks), rows)
