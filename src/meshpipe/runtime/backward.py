@@ -152,16 +152,25 @@ def backward_input(
     outputs: Sequence[Root | None],
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightGrad]:
-    """I: the inputs' gradients now, and a :class:`WeightGrad` to run later as W."""
+    """I: the inputs' gradients now, and a :class:`WeightGrad` to run later as W.
+
+    The weights are the leaves of the graph that are not ``inputs`` (found from the graph,
+    so parameters swapped in by FSDP2 or DTensor are the ones that get gradients).
+    """
     outs, gs = _with_grad(outputs, grads)
-    params = [p for p in params if p.requires_grad]
     if not outs:
         return [None for _ in inputs], WeightGrad()
     roots = [e.node for e in outs]
     order = _postorder(roots)
-    weight_only = _weight_only(order, {get_gradient_edge(p).node for p in params})
+    input_ids = {id(x) for x in inputs}
+    acc: dict[Node, torch.Tensor] = {}
+    for node in order:
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in input_ids:
+            acc[node] = leaf
+    params = list(acc.values())
+    weight_only = _weight_only(order, set(acc))
     boundary = _boundaries(order, weight_only)
     if boundary is None:  # rare (a weight-only node shared by two uses): no split, W no-op
         return backward_full(outputs, grads, inputs), WeightGrad()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +63,12 @@ def run_actions(
     comm: Comm,
     training: bool,
     status: RankStatus | None = None,
+    hooks: Mapping[Action, Callable[[], None]] | None = None,
 ) -> tuple[dict[int, LossRecord], list[ActionRecord]]:
-    """Execute this rank's actions in order; returns last-stage loss records and timings."""
+    """Execute this rank's actions in order; returns last-stage loss records and timings.
+
+    ``hooks[action]`` runs right after ``action`` (used to start gradient reductions).
+    """
     placement = schedule.placement
     last = schedule.num_stages - 1
     shares = mbs.shares
@@ -123,5 +127,7 @@ def run_actions(
                 else:
                     comm.send(placement[s - 1], Transfer("grad", s, s - 1, mb), in_grads)
             del g, in_grads
+        if hooks and a in hooks:
+            hooks[a]()
         records.append(ActionRecord(a, t0, t1, clock()))
     return losses, records

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,11 +14,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError, ScheduleError
+from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.executor import ActionRecord, CommPlan, RankStatus, plan_comm, run_actions
 from meshpipe.runtime.microbatch import ChunkSpec, merge_outputs, split_microbatches
 from meshpipe.runtime.p2p import Comm
 from meshpipe.runtime.pytree import flatten
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss
+from meshpipe.runtime.spmd import Spmd
 from meshpipe.runtime.stage import StageRunner
 from meshpipe.runtime.topology import Topology
 from meshpipe.schedule.ir import Op, Schedule
@@ -76,15 +78,20 @@ class Pipeline:
         num_microbatches: int | None = None,
         loss_fn: Callable[[Any, Any], Any] | None = None,
         *,
+        dp: str | None = None,
+        tp_plan: Mapping[str, Any] | None = None,
+        mp_policy: Any | None = None,
         pp_axis: str = "pp",
         dp_axis: str = "dp",
+        tp_axis: str = "tp",
         stages_per_rank: int | None = None,
         chunk_spec: ChunkSpec | None = None,
         timeout: float = 300.0,
     ) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.topology = Topology.from_mesh(mesh, pp_axis, dp_axis)
+        self.topology = Topology.from_mesh(mesh, pp_axis, dp_axis, tp_axis)
+        self._pp_axis = pp_axis
         topo = self.topology
         if isinstance(model, (list, tuple)) and stages_per_rank is None:
             if len(model) % topo.pp_size:
@@ -95,6 +102,8 @@ class Pipeline:
             stages_per_rank = len(model) // topo.pp_size
         self.schedule = self._resolve_schedule(schedule, num_microbatches, stages_per_rank)
         modules = self._stage_modules(model)
+        self._spmd = Spmd(topo, dp, tp_plan, mp_policy)
+        self._spmd.check(modules)
         self.loss_fn = loss_fn
         self.chunk_spec = chunk_spec
         self.timeout = float(timeout)
@@ -102,7 +111,7 @@ class Pipeline:
         sched = self.schedule
         self._runners: dict[int, StageRunner] = {}
         for s in sched.stages_of(topo.pp_rank):
-            module = modules[s].to(topo.device)
+            module = self._spmd.wrap(s, modules[s].to(topo.device))
             self._runners[s] = StageRunner(
                 s, module, is_first=s == 0, is_last=s == sched.num_stages - 1, loss_fn=loss_fn
             )
@@ -184,6 +193,12 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip to a global gradient norm over all stages and shards (pp, dp, tp); returns
+        the norm before clipping, the same on every rank. Collective: call on every rank."""
+        topo = self.topology
+        return clip_grad_norm_(self.parameters(), max_norm, topo.axis_sizes, self._pp_axis)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for m in self.stages:
@@ -293,6 +308,9 @@ class Pipeline:
             r.reset()
         comm, _ = self._comm(schedule)
         self._status = RankStatus()
+        hooks = self._spmd.hooks(schedule, self.topology.pp_rank) if training else None
+        if training:
+            self._spmd.begin_step()
         try:
             losses, self._records = run_actions(
                 schedule,
@@ -302,6 +320,7 @@ class Pipeline:
                 comm,
                 training,
                 status=self._status,
+                hooks=hooks,
             )
             comm.finish()
         except BaseException as e:
@@ -326,6 +345,7 @@ class Pipeline:
         for p in params:
             p.grad = None
         losses = self._run(self.schedule, args, kwargs, target, training=True)
+        factor = self._spmd.finish_step()
         topo = self.topology
         last_rank = self.schedule.placement[-1]
         loss, scale, _ = reduce_loss(
@@ -335,7 +355,10 @@ class Pipeline:
             topo.pp_group,
             topo.dp_group,
         )
-        reduce_grads(params, scale, topo.dp_group)
+        if self._spmd.grads_summed_elsewhere:
+            reduce_grads(params, scale * factor, None)
+        else:
+            reduce_grads(params, scale, topo.dp_group)
         for p, old in zip(params, stash):
             if old is not None:
                 p.grad = old if p.grad is None else p.grad.add_(old)

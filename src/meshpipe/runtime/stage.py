@@ -63,7 +63,6 @@ class StageRunner:
         self.is_first = is_first
         self.is_last = is_last
         self.loss_fn = loss_fn
-        self.params = [p for p in module.parameters() if p.requires_grad]
         self.takes_model_inputs = bool(getattr(module, "meshpipe_model_inputs", False))
         self._saved: dict[int, _Saved] = {}
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
@@ -148,7 +147,7 @@ class StageRunner:
                     f"{len(saved.roots)} outputs"
                 )
         if split:
-            in_grads, saved.pending = backward_input(saved.roots, gs, saved.inputs, self.params)
+            in_grads, saved.pending = backward_input(saved.roots, gs, saved.inputs)
         else:
             in_grads = backward_full(saved.roots, gs, saved.inputs)
         saved.roots = []

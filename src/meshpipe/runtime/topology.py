@@ -65,7 +65,7 @@ def init_mesh(
 
 @dataclass(frozen=True)
 class Topology:
-    """This process's coordinates: its pp rank, the pp group's global ranks, the dp group."""
+    """This process's place: pp rank, the pp group's global ranks, the dp and tp sub-meshes."""
 
     pp_rank: int
     pp_size: int
@@ -73,41 +73,47 @@ class Topology:
     pp_global_ranks: tuple[int, ...]
     dp_group: dist.ProcessGroup | None
     dp_size: int
+    dp_mesh: DeviceMesh | None
+    tp_size: int
+    tp_mesh: DeviceMesh | None
     device: torch.device
     coords: dict[str, int]
+    axis_sizes: dict[str, int]
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, pp_axis: str = "pp", dp_axis: str = "dp") -> Topology:
+    def from_mesh(
+        cls, mesh: DeviceMesh, pp_axis: str = "pp", dp_axis: str = "dp", tp_axis: str = "tp"
+    ) -> Topology:
         names = tuple(mesh.mesh_dim_names or ())
         if pp_axis not in names:
             raise PipelineError(
                 f"the mesh has axes {names}, with no {pp_axis!r} axis to pipeline over; "
                 "build it with meshpipe.init_mesh(pp=...) or pass pp_axis="
             )
-        pp_group = mesh.get_group(pp_axis)
-        dp_group = None
-        dp_size = 1
-        if dp_axis in names and mesh.size(names.index(dp_axis)) > 1:
-            dp_group = mesh.get_group(dp_axis)
-            dp_size = mesh.size(names.index(dp_axis))
-        for axis in names:
-            if axis not in (pp_axis, dp_axis) and mesh.size(names.index(axis)) > 1:
+        sizes = {axis: mesh.size(names.index(axis)) for axis in names}
+        for axis, size in sizes.items():
+            if axis not in (pp_axis, dp_axis, tp_axis) and size > 1:
                 raise PipelineError(
-                    f"mesh axis {axis!r} has size {mesh.size(names.index(axis))}; only the "
-                    f"{pp_axis!r} and {dp_axis!r} axes are supported so far"
+                    f"mesh axis {axis!r} has size {size}; meshpipe knows the axes "
+                    f"{pp_axis!r}, {dp_axis!r} and {tp_axis!r}"
                 )
+        dp_size, tp_size = sizes.get(dp_axis, 1), sizes.get(tp_axis, 1)
+        pp_group = mesh.get_group(pp_axis)
         if mesh.device_type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device(mesh.device_type)
-        coords = {axis: mesh.get_local_rank(axis) for axis in names}
         return cls(
             pp_rank=mesh.get_local_rank(pp_axis),
-            pp_size=mesh.size(names.index(pp_axis)),
+            pp_size=sizes[pp_axis],
             pp_group=pp_group,
             pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)),
-            dp_group=dp_group,
+            dp_group=mesh.get_group(dp_axis) if dp_size > 1 else None,
             dp_size=dp_size,
+            dp_mesh=mesh[dp_axis] if dp_axis in names else None,
+            tp_size=tp_size,
+            tp_mesh=mesh[tp_axis] if tp_axis in names else None,
             device=device,
-            coords=coords,
+            coords={axis: mesh.get_local_rank(axis) for axis in names},
+            axis_sizes=sizes,
         )

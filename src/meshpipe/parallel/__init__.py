@@ -1,0 +1,16 @@
+"""SPMD parallelism inside each stage, on the mesh's non-pp axes: TP, FSDP2, DDP, clipping."""
+
+from meshpipe.parallel.clip import clip_grad_norm_
+from meshpipe.parallel.ddp import GradSync
+from meshpipe.parallel.fsdp import apply_fsdp, fsdp_begin_step, fsdp_reduce
+from meshpipe.parallel.tp import apply_tp, check_tp_plan
+
+__all__ = [
+    "GradSync",
+    "apply_fsdp",
+    "apply_tp",
+    "check_tp_plan",
+    "clip_grad_norm_",
+    "fsdp_begin_step",
+    "fsdp_reduce",
+]

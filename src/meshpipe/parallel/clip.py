@@ -1,0 +1,64 @@
+"""Global gradient norm over every stage and shard (pp, dp and tp axes), and clipping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["clip_grad_norm_", "replication_factor"]
+
+
+def replication_factor(p: torch.Tensor, axis_sizes: Mapping[str, int], pp_axis: str) -> int:
+    """How many ranks of the non-pp axes hold this exact shard of ``p``'s gradient."""
+    factor = 1
+    sharded_axes: set[str] = set()
+    if isinstance(p, DTensor):
+        names = p.device_mesh.mesh_dim_names or ()
+        for name, placement in zip(names, p.placements):
+            if not isinstance(placement, Replicate):
+                sharded_axes.add(name)
+    for axis, size in axis_sizes.items():
+        if axis != pp_axis and axis not in sharded_axes:
+            factor *= size
+    return factor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    axis_sizes: Mapping[str, int],
+    pp_axis: str = "pp",
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip gradients so their global L2 norm is at most ``max_norm``; returns that norm.
+
+    Each rank adds the squares of the gradient shards it holds, divided by how many ranks
+    hold the same shard; one all-reduce over ``group`` (default: the world) sums them.
+    """
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    with_grad = [p for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64)
+    for p in with_grad:
+        grad = p.grad
+        if grad is None:
+            continue
+        local = _local(grad).detach().to(torch.float64)
+        total += local.pow(2).sum().cpu() / replication_factor(p, axis_sizes, pp_axis)
+    if dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    norm = math.sqrt(float(total))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in with_grad:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return torch.tensor(norm)

@@ -1,0 +1,50 @@
+"""FSDP2 per stage over the dp sub-mesh, with one gradient reduce-scatter per step.
+
+During a step every microbatch's backward accumulates into the unsharded parameters
+(gradient sync and resharding switched off); when the stage's last backward of the step is
+done, :func:`fsdp_reduce` runs FSDP2's post-backward once: one reduce-scatter, then reshard.
+FSDP2 offers no public call for that manual post-backward, so this module is the one place
+that reaches into its state (the same calls torch.distributed.pipelining makes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = ["apply_fsdp", "fsdp_begin_step", "fsdp_reduce"]
+
+
+def apply_fsdp(
+    module: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> FSDPModule:
+    """Shard one stage's parameters over ``dp_mesh``; parameters stay gathered for the step."""
+    sharded: Any = fully_shard(
+        module,
+        mesh=dp_mesh,
+        reshard_after_forward=False,
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+    )
+    return sharded  # type: ignore[no-any-return]
+
+
+def fsdp_begin_step(module: FSDPModule) -> None:
+    """Accumulate unsharded gradients over the step's microbatches, no sync, no reshard."""
+    module.set_requires_gradient_sync(False)
+    module.set_reshard_after_backward(False)
+    module.set_is_last_backward(False)
+
+
+def fsdp_reduce(module: FSDPModule) -> None:
+    """The stage's backward for this step is done: reduce-scatter gradients and reshard."""
+    module.set_requires_gradient_sync(True)
+    module.set_reshard_after_backward(True)
+    module.set_is_last_backward(True)
+    state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
+    for st in state._state_ctx.all_states:
+        for group in st._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()

@@ -1,0 +1,150 @@
+"""One mesh, pp x dp x tp: FSDP2, DDP-style replicas and TP per stage, against one process.
+
+For each layout, 3 AdamW steps with gradient clipping: the loss and the global grad norm of
+every step, and every parameter afterwards, must match one process training the whole model
+on the whole batch. One spawn of 4 processes covers pp2 x dp2 (fsdp, ddp) and pp2 x tp2;
+one spawn of 8 covers pp2 x dp2 x tp2.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+
+from parity import D, blocks, dp_batch, mse
+
+ATOL = 1e-5
+STEPS = 3
+MAX_NORM = 0.05  # small enough that clipping is active every step
+TP_PLAN = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train_case(mesh: Any, schedule: str, dp: str | None, tp: bool) -> dict[str, float]:
+    net = blocks(8)
+    ref = copy.deepcopy(net)
+    pipe = meshpipe.Pipeline(
+        net,
+        mesh,
+        schedule=schedule,
+        num_microbatches=4,
+        loss_fn=mse,
+        dp=dp,
+        tp_plan=TP_PLAN if tp else None,
+    )
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    worst = {"loss": 0.0, "norm": 0.0, "param": 0.0}
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        x, y = torch.randn(16, D), torch.randn(16, D)
+        loss = pipe.step(dp_batch(x, mesh), target=dp_batch(y, mesh))
+        norm = pipe.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = mse(ref(x), y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
+        worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()))
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        worst["param"] = max(
+            worst["param"], (_full(p.detach()) - ref_params[name]).abs().max().item()
+        )
+    return worst
+
+
+def _errors(mesh: Any) -> dict[str, tuple[str, str]]:
+    out = {}
+    odd = [torch.nn.Sequential(torch.nn.Linear(D, 15)), torch.nn.Sequential(torch.nn.Linear(15, D))]
+    for case, (model, kwargs) in {
+        "pattern_matches_nothing": (blocks(2), {"tp_plan": {"*.nope": ColwiseParallel()}}),
+        "width_not_divisible": (odd, {"tp_plan": {"0": ColwiseParallel()}}),
+        "wrong_layer_type": (blocks(2), {"tp_plan": {"*.ln": ColwiseParallel()}}),
+        "bad_dp": (blocks(2), {"dp": "zero3"}),
+    }.items():
+        try:
+            meshpipe.Pipeline(model, mesh, "1f1b", 2, mse, **kwargs)
+            out[case] = ("nothing", "")
+        except Exception as e:  # noqa: BLE001
+            out[case] = (type(e).__name__, str(e))
+    return out
+
+
+def _four() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    schedules = [s for s in ("1f1b", "zbv") if s in meshpipe.schedule_names()]
+    mesh = meshpipe.init_mesh(pp=2, dp=2)
+    for s in schedules:
+        out[f"fsdp-{s}"] = _train_case(mesh, s, "fsdp", tp=False)
+        out[f"ddp-{s}"] = _train_case(mesh, s, "ddp", tp=False)
+    tp_mesh = meshpipe.init_mesh(pp=2, tp=2)
+    for s in schedules:
+        out[f"tp-{s}"] = _train_case(tp_mesh, s, None, tp=True)
+    out["errors"] = _errors(tp_mesh)
+    one = meshpipe.init_mesh(pp=4)
+    pipe = meshpipe.Pipeline(blocks(4), one, "1f1b", 2, mse, dp="fsdp")  # dp axis of size 1
+    out["fsdp_on_size1"] = pipe.step(torch.randn(4, D), target=torch.randn(4, D)).item()
+    return out
+
+
+def _eight() -> dict[str, Any]:
+    mesh = meshpipe.init_mesh(pp=2, dp=2, tp=2)
+    return {
+        f"3d-{s}": _train_case(mesh, s, "fsdp", tp=True)
+        for s in ("1f1b", "zbv")
+        if s in meshpipe.schedule_names()
+    }
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return run_on_ranks(_four, 4, timeout=500)
+
+
+def _check(results: list[dict[str, Any]], case: str) -> None:
+    for rank, res in enumerate(results):
+        if case not in res:
+            pytest.skip(f"{case} not run (schedule not registered)")
+        for metric, value in res[case].items():
+            assert value <= ATOL, f"rank {rank} {case}: {metric} differs by {value}"
+
+
+@pytest.mark.parametrize(
+    "case", ["fsdp-1f1b", "fsdp-zbv", "ddp-1f1b", "ddp-zbv", "tp-1f1b", "tp-zbv"]
+)
+def test_three_adamw_steps_match_one_process(four: list[dict[str, Any]], case: str) -> None:
+    _check(four, case)
+
+
+def test_bad_spmd_input_is_refused_clearly(four: list[dict[str, Any]]) -> None:
+    errs = [r["errors"] for r in four]
+    assert all(e == errs[0] for e in errs), "every rank raises the same error"
+    e = errs[0]
+    assert e["pattern_matches_nothing"][0] == "PipelineError"
+    assert "'*.nope'" in e["pattern_matches_nothing"][1]
+    assert e["width_not_divisible"][0] == "PipelineError"
+    assert "'0'" in e["width_not_divisible"][1] and "out_features=15" in e["width_not_divisible"][1]
+    assert e["wrong_layer_type"][0] == "PipelineError" and "LayerNorm" in e["wrong_layer_type"][1]
+    assert e["bad_dp"][0] == "PipelineError" and "zero3" in e["bad_dp"][1]
+    assert all(r["fsdp_on_size1"] == four[0]["fsdp_on_size1"] for r in four)
+
+
+def test_pp_dp_tp_eight_processes() -> None:
+    results = run_on_ranks(_eight, 8, timeout=600)
+    for case in ("3d-1f1b", "3d-zbv"):
+        _check(results, case)
