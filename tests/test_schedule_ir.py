@@ -88,3 +88,18 @@ def test_schedule_layer_imports_no_torch() -> None:
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message", "cell"),
+    [
+        ([[F(0, 0)], [F(0, 1)]], "placed on rank 0", (1, 0)),
+        ([[F(0, 0), F(0, 5)], []], "names microbatch 5", (0, 1)),
+        ([[F(3, 0)], []], "names stage 3", (0, 0)),
+        ([["0F0"], []], "is not an Action", (0, 0)),
+    ],
+)
+def test_construction_errors(rows: list[list[object]], message: str, cell: tuple[int, int]) -> None:
+    with pytest.raises(ScheduleError, match=message) as info:
+        Schedule(2, 2, (0, 1), rows)  # type: ignore[arg-type]
+    assert (info.value.rank, info.value.position) == cell

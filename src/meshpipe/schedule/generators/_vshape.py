@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from meshpipe.schedule.ir import Action, Op, Schedule, make_schedule, new_action
+from meshpipe.schedule.ir import Op, Schedule, actions_from_columns, make_schedule
 
 __all__ = ["VPlan", "v_placement", "build_v"]
 
@@ -92,15 +92,18 @@ class _Rank:
     filled in as their local turn of the V completes."""
 
     __slots__ = (
-        "r", "top", "st", "plan", "n", "m2", "split_from", "row", "pend", "i", "j", "free_at",
-        "held", "last", "fwds", "fin_d", "fin_u", "src_d", "src_u", "turn_d", "turn_u",
+        "r", "top", "st", "plan", "n", "m2", "split_from", "ops", "stages", "mbs", "pend",
+        "i", "j", "free_at", "held", "last", "fwds", "fin_d", "fin_u", "src_d", "src_u",
+        "turn_d", "turn_u",
     )  # fmt: skip
 
     def __init__(self, r: int, p: int, m: int, st: _Streams, plan: VPlan) -> None:
         self.r, self.top, self.st, self.plan = r, 2 * p - 1 - r, st, plan
         self.n, self.m2 = len(st.dk), 2 * m
         self.split_from = p - 1 - r  # DualPipeV splits the first p-r-1 chunk-1 backwards
-        self.row: list[Action] = []
+        self.ops: list[Op] = []  # this rank's row, one column per field of its actions
+        self.stages: list[int] = []
+        self.mbs: list[int] = []
         self.pend: deque[tuple[int, int]] = deque()
         self.i = self.j = self.free_at = self.held = self.last = self.fwds = 0
         self.fin_d, self.fin_u = [_NEVER] * self.n, [_NEVER] * self.n
@@ -119,44 +122,46 @@ class _Rank:
     def done(self) -> bool:
         return self.i == self.n and self.j == self.n and not self.pend
 
-    def pick(self, t: int) -> int:
-        """0 nothing, 1 the down-stream head, 2 the up-stream head, 3 the oldest pending W."""
-        i, j = self.i, self.j
-        rd = i < self.n and self.src_d[i] <= t
-        ru = j < self.n and self.src_u[j] <= t
-        if not (rd or ru):
-            return 3 if self.pend else 0
-        if not self.plan.pair:
-            pick = 2 if ru else 1  # ZB-V: the up stream first
-        else:
-            pick = _pair_pick(self.last, rd, ru, rd and self.st.dk[i], ru and self.st.uk[j])
-        is_bwd = self.st.dk[i] if pick == 1 else self.st.uk[j]
-        if self.pend and not is_bwd and self.held >= self.plan.memory_cap:
-            return 3  # memory is full and the pick is a forward: free some first
-        return pick
+    def step(self, t: int) -> bool:
+        """Start what this rank picks at tick t: a ready stream head or a pending W. False
+        when it has to wait. The hot path of the generator, hence the local variables."""
+        i, j, n, st = self.i, self.j, self.n, self.st
+        rd = i < n and self.src_d[i] <= t
+        ru = j < n and self.src_u[j] <= t
+        if rd or ru:
+            if self.plan.pair:
+                down = _pair_pick(self.last, rd, ru, rd and st.dk[i], ru and st.uk[j]) == 1
+            else:
+                down = not ru  # ZB-V: the up stream first
+            is_bwd = st.dk[i] if down else st.uk[j]
+            # with memory full, a pending W goes before a new forward
+            if is_bwd or not self.pend or self.held < self.plan.memory_cap:
+                if down:
+                    self.free_at = self.fin_d[i] = self._head(t, is_bwd, st.dm[i], True)
+                    self.i = i + 1
+                else:
+                    self.free_at = self.fin_u[j] = self._head(t, is_bwd, st.um[j], False)
+                    self.j = j + 1
+                return True
+        if not self.pend:
+            return False
+        stage, mb = self.pend.popleft()
+        self._append(Op.W, stage, mb)
+        self.held -= 1
+        self.last = 0
+        self.free_at = t + 1
+        return True
 
-    def run(self, t: int, pick: int) -> None:
-        """Start the picked action at tick t."""
-        end = t + 1
-        if pick == 3:
-            stage, mb = self.pend.popleft()
-            self.row.append(new_action(Op.W, stage, mb))
-            self.held -= 1
-            self.last = 0
-        elif pick == 1:
-            i = self.i
-            end = self._run_head(t, self.st.dk[i], self.st.dm[i], down=True)
-            self.fin_d[i], self.i = end, i + 1
-        else:
-            j = self.j
-            end = self._run_head(t, self.st.uk[j], self.st.um[j], down=False)
-            self.fin_u[j], self.j = end, j + 1
-        self.free_at = end
+    def _append(self, op: Op, stage: int, mb: int) -> None:
+        self.ops.append(op)
+        self.stages.append(stage)
+        self.mbs.append(mb)
 
-    def _run_head(self, t: int, is_bwd: bool, mb: int, down: bool) -> int:
+    def _head(self, t: int, is_bwd: bool, mb: int, down: bool) -> int:
+        """Run a stream head; return the tick it ends."""
         st, end = self.st, t + 1
         if not is_bwd:
-            self.row.append(new_action(Op.F, self.r if down else self.top, mb))
+            self._append(Op.F, self.r if down else self.top, mb)
             self.held += 1
             self.fwds += 1
             self.last = 1 if down else 3
@@ -168,10 +173,10 @@ class _Rank:
         stage = self.top if down else self.r
         plan = self.plan
         if plan.split_all or self.fwds == self.m2 or (down and mb < self.split_from):
-            self.row.append(new_action(Op.I, stage, mb))
+            self._append(Op.I, stage, mb)
             self.pend.append((stage, mb))
         else:
-            self.row.append(new_action(Op.B, stage, mb))
+            self._append(Op.B, stage, mb)
             self.held -= 1
             end = t + plan.cost_b
         self.last = 2 if down else 4
@@ -201,17 +206,14 @@ def build_v(name: str, num_ranks: int, num_microbatches: int, plan: VPlan) -> Sc
     while active:
         moved = finished = False
         for rank in active:
-            if rank.free_at <= t:
-                pick = rank.pick(t)
-                if pick:
-                    rank.run(t, pick)
-                    moved = True
-                    finished = finished or (rank.i == n and rank.j == n and not rank.pend)
+            if rank.free_at <= t and rank.step(t):
+                moved = True
+                finished = finished or (rank.i == n and rank.j == n and not rank.pend)
         if not moved and t >= max(rank.free_at for rank in ranks):
             # nothing running and nothing ready: the plan cannot finish (a bug, not input)
             raise RuntimeError(f"{name}: stream merge stuck at tick {t} under {plan}")
         t += 1
         if finished:
             active = [rank for rank in active if not rank.done()]
-    rows = [rank.row for rank in ranks]
+    rows = [actions_from_columns(rank.ops, rank.stages, rank.mbs) for rank in ranks]
     return make_schedule(name, num_ranks, num_microbatches, v_placement(num_ranks), rows)
