@@ -85,6 +85,27 @@ def _errors(mesh: Any) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _bf16_case(mesh: Any) -> dict[str, float]:
+    """FSDP2 mixed precision: bf16 compute and activations on the wire, fp32 master weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    net = blocks(4)
+    ref = copy.deepcopy(net)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 4, mse, dp="fsdp", mp_policy=policy)
+    torch.manual_seed(7)
+    x, y = torch.randn(16, D), torch.randn(16, D)
+    loss = pipe.step(dp_batch(x, mesh), target=dp_batch(y, mesh))
+    expected = mse(ref(x), y)
+    master_fp32 = all(p.dtype == torch.float32 for p in pipe.parameters())
+    stats = pipe.comm_stats()
+    return {
+        "loss": abs(loss.item() - expected.item()),
+        "master_fp32": float(master_fp32),
+        "pp_bytes": float(stats["pp_bytes_sent"]),
+    }
+
+
 def _four() -> dict[str, Any]:
     out: dict[str, Any] = {}
     schedules = [s for s in ("1f1b", "zbv") if s in meshpipe.schedule_names()]
@@ -96,6 +117,7 @@ def _four() -> dict[str, Any]:
     for s in schedules:
         out[f"tp-{s}"] = _train_case(tp_mesh, s, None, tp=True)
     out["errors"] = _errors(tp_mesh)
+    out["bf16"] = _bf16_case(mesh)
     one = meshpipe.init_mesh(pp=4)
     pipe = meshpipe.Pipeline(blocks(4), one, "1f1b", 2, mse, dp="fsdp")  # dp axis of size 1
     out["fsdp_on_size1"] = pipe.step(torch.randn(4, D), target=torch.randn(4, D)).item()
@@ -142,6 +164,17 @@ def test_bad_spmd_input_is_refused_clearly(four: list[dict[str, Any]]) -> None:
     assert e["wrong_layer_type"][0] == "PipelineError" and "LayerNorm" in e["wrong_layer_type"][1]
     assert e["bad_dp"][0] == "PipelineError" and "zero3" in e["bad_dp"][1]
     assert all(r["fsdp_on_size1"] == four[0]["fsdp_on_size1"] for r in four)
+
+
+def test_fsdp_mixed_precision(four: list[dict[str, Any]]) -> None:
+    for res in four:
+        bf16 = res["bf16"]
+        assert bf16["loss"] < 2e-2, bf16  # bf16 compute: ~3 significant digits
+        assert bf16["master_fp32"] == 1.0
+    # rank 0 (stage 0) sends 4 microbatches of 2 x 16 activations (local batch 8) in bf16,
+    # 2 bytes each, each after a 512-byte header
+    sent = four[0]["bf16"]["pp_bytes"]
+    assert sent == 4 * (512 + 2 * D * 2), sent
 
 
 def test_pp_dp_tp_eight_processes() -> None:

@@ -85,6 +85,7 @@ class Comm:
         self._queues: dict[int, queue.Queue[tuple[Transfer | None, Any]]] = {}
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self.bytes_sent = 0
 
     # -- lifecycle --------------------------------------------------------------------
     def begin(self, recv_plan: Mapping[int, list[Transfer]], send_plan: Mapping[int, int]) -> None:
@@ -156,6 +157,7 @@ class Comm:
         self._sent[peer] = self._sent.get(peer, 0) + 1
 
     def _post_send(self, peer: int, tensor: torch.Tensor) -> None:
+        self.bytes_sent += tensor.numel() * tensor.element_size()
         work = dist.isend(tensor, dst=self.global_ranks[peer], group=self.group)
         self._sends.append((work, [tensor], peer))
 

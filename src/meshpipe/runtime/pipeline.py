@@ -26,6 +26,7 @@ from meshpipe.runtime.topology import Topology
 from meshpipe.schedule.ir import Op, Schedule
 from meshpipe.schedule.registry import get_schedule
 from meshpipe.schedule.validate import validate
+from meshpipe.split.whole import WholeModel
 
 __all__ = ["Pipeline"]
 
@@ -87,6 +88,8 @@ class Pipeline:
         stages_per_rank: int | None = None,
         chunk_spec: ChunkSpec | None = None,
         timeout: float = 300.0,
+        split_points: Sequence[str] | None = None,
+        init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -101,20 +104,20 @@ class Pipeline:
                 )
             stages_per_rank = len(model) // topo.pp_size
         self.schedule = self._resolve_schedule(schedule, num_microbatches, stages_per_rank)
-        modules = self._stage_modules(model)
         self._spmd = Spmd(topo, dp, tp_plan, mp_policy)
-        self._spmd.check(modules)
         self.loss_fn = loss_fn
         self.chunk_spec = chunk_spec
         self.timeout = float(timeout)
         self.mesh = mesh
         sched = self.schedule
         self._runners: dict[int, StageRunner] = {}
-        for s in sched.stages_of(topo.pp_rank):
-            module = self._spmd.wrap(s, modules[s].to(topo.device))
-            self._runners[s] = StageRunner(
-                s, module, is_first=s == 0, is_last=s == sched.num_stages - 1, loss_fn=loss_fn
-            )
+        # a whole model goes to meshpipe.split; it may wait for the first call's inputs
+        self._whole: WholeModel | None = None
+        if WholeModel.wanted(model, split_points):
+            self._whole = WholeModel(model, sched.num_stages, split_points, init_fn)  # type: ignore[arg-type]
+            self._ensure_split((), {})
+        else:
+            self._build_runners(self._stage_modules(model))
         self._infer = _inference_schedule(sched)
         self._plans: dict[int, CommPlan] = {}
         self._records: list[ActionRecord] = []
@@ -122,6 +125,26 @@ class Pipeline:
         self._steps = 0
 
     # -- construction helpers ----------------------------------------------------------
+    def _build_runners(self, modules: list[nn.Module]) -> None:
+        self._spmd.check(modules)
+        sched, topo = self.schedule, self.topology
+        for s in sched.stages_of(topo.pp_rank):
+            module = self._spmd.wrap(s, modules[s].to(topo.device))
+            self._runners[s] = StageRunner(
+                s, module, is_first=s == 0, is_last=s == sched.num_stages - 1, loss_fn=self.loss_fn
+            )
+
+    def _ensure_split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Split a whole model once its inputs are known (collective; see meshpipe.split)."""
+        whole = self._whole
+        if whole is None or not whole.pending or (whole.stages is None and not args):
+            return
+        topo, sched = self.topology, self.schedule
+        local = sched.stages_of(topo.pp_rank)
+        self._build_runners(
+            whole.build(args, kwargs, local, sched.placement, self.mesh, self._pp_axis, topo.device)
+        )
+
     def _resolve_schedule(
         self, schedule: str | Schedule, num_microbatches: int | None, stages_per_rank: int | None
     ) -> Schedule:
@@ -183,6 +206,11 @@ class Pipeline:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under their original model names."""
+        if self._whole is not None and self._whole.pending:
+            raise PipelineError(
+                "the model is split on the first step()/forward() (tracing needs its inputs); "
+                "ask for parameters (e.g. to build the optimizer) after that call"
+            )
         seen: set[int] = set()
         for module in self.stages:
             for name, p in module.named_parameters():
@@ -207,6 +235,17 @@ class Pipeline:
     @property
     def holds_last_stage(self) -> bool:
         return (self.schedule.num_stages - 1) in self._runners
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank moved in the last step: sent on the pp axis (headers included),
+        and on the dp axis (ring all-reduce / all-gather + reduce-scatter, computed from the
+        parameter bytes) next to the minimum any data-parallel scheme must move."""
+        comm = getattr(self, "_comm_now", None)
+        return {
+            "pp_bytes_sent": 0 if comm is None else comm.bytes_sent,
+            "dp_bytes": self._spmd.dp_bytes_per_step,
+            "dp_bytes_min": self._spmd.dp_bytes_min,
+        }
 
     def timeline(self) -> list[ActionRecord]:
         """Measured action times of the last step or forward on this rank."""
@@ -311,6 +350,7 @@ class Pipeline:
         hooks = self._spmd.hooks(schedule, self.topology.pp_rank) if training else None
         if training:
             self._spmd.begin_step()
+        self._comm_now = comm
         try:
             losses, self._records = run_actions(
                 schedule,
@@ -340,6 +380,7 @@ class Pipeline:
         those of one process running the whole batch (averaged over dp replicas).
         """
         self._check_batch(args, target, training=True)
+        self._ensure_split(args, kwargs)
         params = list(self.parameters())
         stash = [p.grad for p in params]
         for p in params:
@@ -359,6 +400,8 @@ class Pipeline:
             reduce_grads(params, scale * factor, None)
         else:
             reduce_grads(params, scale, topo.dp_group)
+        if self._whole is not None:
+            self._whole.sync_grads()  # tied weights: sum over the stages holding them
         for p, old in zip(params, stash):
             if old is not None:
                 p.grad = old if p.grad is None else p.grad.add_(old)
@@ -367,6 +410,7 @@ class Pipeline:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""
         self._check_batch(args, None, training=False)
+        self._ensure_split(args, kwargs)
         self._run(self._infer, args, kwargs, None, training=False)
         if not self.holds_last_stage:
             return None
