@@ -83,11 +83,12 @@ def _raise_mismatch(
     )
 
 
-def _links(schedule: Schedule) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Per stage, for its F and for its B/I: the pair ``src * p + dst`` it receives on and
-    the one it sends on (-1: none, or a neighbour on the same rank). A message's code is
+def _links(schedule: Schedule) -> tuple[list[tuple[int, int, int, int]], ...]:
+    """Per stage, for its F and for its B/I: (pair it receives on, pair it sends on, code of
+    the message it receives at mb 0, code of the one it sends at mb 0). A pair is
+    ``src * p + dst`` (-1: no message, or a neighbour on the same rank); a message's code is
     ``2 * (src_stage * m + mb) + (1 for a gradient)``, the same on both sides."""
-    place, p = schedule.placement, schedule.num_ranks
+    place, p, m2 = schedule.placement, schedule.num_ranks, 2 * schedule.num_microbatches
     last = len(place) - 1
 
     def pair(src_stage: int, dst_stage: int) -> int:
@@ -97,12 +98,9 @@ def _links(schedule: Schedule) -> tuple[list[int], list[int], list[int], list[in
         return -1 if src == dst else src * p + dst
 
     stages = range(last + 1)
-    return (
-        [pair(s - 1, s) for s in stages],  # F receives the activation
-        [pair(s, s + 1) for s in stages],  # F sends its output
-        [pair(s + 1, s) for s in stages],  # B/I receives the gradient
-        [pair(s, s - 1) for s in stages],  # B/I sends the input gradient
-    )
+    fwd = [(pair(s - 1, s), pair(s, s + 1), (s - 1) * m2, s * m2) for s in stages]
+    bwd = [(pair(s + 1, s), pair(s, s - 1), (s + 1) * m2 + 1, s * m2 + 1) for s in stages]
+    return fwd, bwd
 
 
 def check_dataflow(schedule: Schedule) -> None:
@@ -112,8 +110,8 @@ def check_dataflow(schedule: Schedule) -> None:
     gets the message it names; when something is wrong, the detailed checks
     (:func:`check_message_order`, then the deadlock report) say what and where.
     """
-    p, m2 = schedule.num_ranks, 2 * schedule.num_microbatches
-    f_in, f_out, b_in, b_out = _links(schedule)
+    p, rows = schedule.num_ranks, schedule.actions
+    fwd, bwd = _links(schedule)
     sent: list[list[int]] = [[] for _ in range(p * p)]  # message codes posted, per pair
     consumed = [0] * (p * p)
     waiting = [-1] * (p * p)  # rank blocked on the pair, or -1
@@ -123,34 +121,31 @@ def check_dataflow(schedule: Schedule) -> None:
     ok = True
     while ready and ok:
         rank = ready.pop()
-        row, i = schedule.actions[rank], pos[rank]
+        row, i = rows[rank], pos[rank]
         n = len(row)
         while i < n:
             a = row[i]
             op = a.op
             if op is not op_w:
-                s = a.stage
-                if op is op_f:
-                    pin, pout, code_in, code_out = f_in[s], f_out[s], (s - 1) * m2, s * m2
-                else:
-                    pin, pout, code_in, code_out = b_in[s], b_out[s], (s + 1) * m2 + 1, s * m2 + 1
+                pin, pout, code_in, code_out = fwd[a.stage] if op is op_f else bwd[a.stage]
+                mb2 = a.mb << 1
                 if pin >= 0:
                     k, got = consumed[pin], sent[pin]
-                    if k >= len(got):
+                    if k == len(got):
                         waiting[pin] = rank
                         break
-                    if got[k] != code_in + 2 * a.mb:
+                    if got[k] != code_in + mb2:
                         ok = False
                         break
                     consumed[pin] = k + 1
                 if pout >= 0:
-                    sent[pout].append(code_out + 2 * a.mb)
+                    sent[pout].append(code_out + mb2)
                     if waiting[pout] >= 0:
                         ready.append(waiting[pout])
                         waiting[pout] = -1
             i += 1
         pos[rank] = i
-    if ok and all(pos[r] == len(row) for r, row in enumerate(schedule.actions)):
+    if ok and all(pos[r] == len(row) for r, row in enumerate(rows)):
         return
     w = wiring(schedule)
     check_message_order(schedule, w)
