@@ -1,7 +1,7 @@
 """The ``meshpipe`` command: one small function per subcommand, registered in COMMANDS.
 
 show, simulate and compare import no torch; later subcommands that need it import it
-inside their own function.
+inside their own function (launch and demo start processes that import it).
 """
 
 from __future__ import annotations
@@ -11,12 +11,16 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from meshpipe.errors import MeshpipeError
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.registry import get_schedule, schedule_names
 from meshpipe.schedule.validate import validate
 from meshpipe.sim.simulate import Cost, CostValue, Timeline, simulate
+
+if TYPE_CHECKING:
+    from meshpipe.launch import LaunchResult
 
 __all__ = ["main", "Command", "COMMANDS"]
 
@@ -214,6 +218,64 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- launch --------------------------------------------------------------------------
+
+
+def _configure_launch(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-n", "--nproc", type=int, required=True, metavar="N", help="number of local ranks"
+    )
+    p.add_argument(
+        "-m", "--module", action="store_true", help="run TARGET as a module (python -m TARGET)"
+    )
+    p.add_argument("target", nargs=argparse.REMAINDER, metavar="TARGET [ARGS]",
+                   help="the script (or module) and its arguments")  # fmt: skip
+
+
+def _report_launch(result: LaunchResult) -> int:
+    """Print the combined picture of the ranks when a launch failed; return its exit code."""
+    if not result.ok:
+        why = "interrupted" if result.interrupted else f"failed (exit {result.exit_code})"
+        print(f"meshpipe launch: the job {why}; what each rank was doing:", file=sys.stderr)
+        print(result.picture, file=sys.stderr)
+    return result.exit_code
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from meshpipe.launch import launch
+
+    if not args.target:
+        raise CliError("launch: give a script (or -m module) to run")
+    target = (["-m"] if args.module else []) + list(args.target)
+    return _report_launch(launch(target, args.nproc))
+
+
+# -- demo ----------------------------------------------------------------------------
+
+
+def _configure_demo(p: argparse.ArgumentParser) -> None:
+    from meshpipe.demo.options import add_demo_args
+
+    add_demo_args(p)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import time
+
+    from meshpipe.demo.options import START_ENV, resolve, to_argv
+    from meshpipe.launch import launch
+
+    opts = resolve(args)
+    if opts.schedule not in schedule_names():
+        raise CliError(
+            f"unknown schedule {opts.schedule!r}; known schedules: {', '.join(schedule_names())}"
+        )
+    opts = replace(opts, out=os.path.abspath(opts.out))
+    target = ["-m", "meshpipe.demo.train", *to_argv(opts)]
+    env = {START_ENV: repr(time.time())}  # so the demo can say how long start-up took
+    return _report_launch(launch(target, opts.ranks, env=env))
+
+
 # -- the table and main ----------------------------------------------------------------
 
 COMMANDS: dict[str, Command] = {
@@ -224,6 +286,16 @@ COMMANDS: dict[str, Command] = {
         "simulate a schedule under given costs", _configure_simulate, _run_simulate
     ),
     "compare": Command("compare several schedules side by side", _configure_compare, _run_compare),
+    "launch": Command(
+        "start N local ranks of a training script (torchrun's launcher)",
+        _configure_launch,
+        _run_launch,
+    ),
+    "demo": Command(
+        "train a small GPT through a pipeline on this machine and show its timeline",
+        _configure_demo,
+        _run_demo,
+    ),
 }
 
 

@@ -1,0 +1,165 @@
+"""Start N local ranks through torch's elastic launcher and report what each did on failure.
+
+``launch(["train.py", "--lr", "3e-3"], num_ranks=4)`` is ``torchrun --nproc-per-node 4
+train.py --lr 3e-3`` on one machine: a c10d rendezvous on 127.0.0.1, one thread per rank
+(OMP_NUM_THREADS=1 unless set), every rank run through :mod:`meshpipe.launch.worker` so
+that when one fails, every rank reports its action, microbatch, awaited peer and mesh
+coordinates. Multi-node jobs use ``torchrun`` itself with the same script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from meshpipe.launch.report import STATUS_DIR_ENV, RankReport, format_picture, read_reports
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
+
+__all__ = ["launch", "LaunchResult", "LaunchError"]
+
+log = logging.getLogger(__name__)
+_SHUTDOWN_S = 5  # seconds a rank gets to stop (and report) before it is killed
+_EXIT_INTERRUPTED = 130
+
+
+class LaunchError(ValueError):
+    """Bad launch arguments; ``value`` is the offending one."""
+
+    def __init__(self, message: str, value: object = None) -> None:
+        super().__init__(message)
+        self.value = value
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How a launch ended: exit status for the shell, and every rank's report on failure.
+
+    ``exit_code`` is 0 on success, the first failing rank's exit code (1 when unknown) on
+    failure, 130 after Ctrl-C. ``picture`` has one line per rank ("" on success).
+    """
+
+    exit_code: int
+    num_ranks: int
+    reports: Mapping[int, RankReport] = field(default_factory=dict)
+    exit_codes: Mapping[int, int] = field(default_factory=dict)
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def picture(self) -> str:
+        if self.ok:
+            return ""
+        return format_picture(self.reports, self.num_ranks, self.exit_codes)
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the ranks (they inherit ours), restored afterwards."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _config(num_ranks: int, max_restarts: int) -> LaunchConfig:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=num_ranks,
+        run_id=f"meshpipe-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # port 0: the store picks a free one
+        local_addr="127.0.0.1",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(),  # ranks write to our stdout/stderr
+    )
+    # Bound the wait for ranks to stop (and report) before they are killed; older torch
+    # versions without the field ignore the attribute.
+    config.shutdown_timeout = _SHUTDOWN_S
+    return config
+
+
+def _check(target: Sequence[str], num_ranks: int) -> None:
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise LaunchError(f"the number of ranks must be an int >= 1, got {num_ranks!r}", num_ranks)
+    if not target or (target[0] == "-m" and len(target) < 2):
+        raise LaunchError("nothing to run: give a script (or -m module) and its arguments", target)
+    if target[0] != "-m" and not os.path.isfile(target[0]):
+        raise LaunchError(f"script {target[0]!r} not found", target[0])
+
+
+def launch(
+    target: Sequence[str],
+    num_ranks: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
+) -> LaunchResult:
+    """Run ``target`` (``[script.py, *args]`` or ``["-m", module, *args]``) on ``num_ranks``
+    local ranks and wait for them.
+
+    Ranks get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
+    MASTER_PORT), so ``meshpipe.init_mesh`` picks gloo on CPU and NCCL on GPUs. ``env``
+    adds variables for the ranks. Ctrl-C stops every rank. Never raises for a failing
+    rank: the result says who failed and what every rank was doing.
+    """
+    _check(target, num_ranks)
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    config = _config(num_ranks, max_restarts)
+    with tempfile.TemporaryDirectory(prefix="meshpipe-status-") as status_dir:
+        values = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        values.update(env or {})
+        values[STATUS_DIR_ENV] = status_dir
+        args = ["-u", "-m", "meshpipe.launch.worker", *target]
+        try:
+            with _environ(values), _quiet_agent():
+                elastic_launch(config, sys.executable)(*args)
+        except ChildFailedError as e:
+            codes = {r: f.exitcode for r, f in e.failures.items()}
+            first = min(e.failures.values(), key=lambda f: f.timestamp, default=None)
+            code = first.exitcode if first is not None and first.exitcode > 0 else 1
+            return LaunchResult(code, num_ranks, read_reports(status_dir), codes)
+        except (SignalException, KeyboardInterrupt):
+            return LaunchResult(
+                _EXIT_INTERRUPTED, num_ranks, read_reports(status_dir), interrupted=True
+            )
+    return LaunchResult(0, num_ranks)
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """Keep the elastic agent's routine warnings (rank stop signals) off the console."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    old = logger.level
+    if old == logging.NOTSET and not log.isEnabledFor(logging.DEBUG):
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)

@@ -1,0 +1,166 @@
+"""Rank reports: what each rank was doing when a job failed, stored as one JSON file per rank.
+
+A rank writes ``rank-{global_rank}.json`` into the directory named by MESHPIPE_STATUS_DIR:
+either its own failure (the exception and the pipeline's ``status()``) or, when another
+rank failed first, a snapshot of where it was. The launcher reads them all back and
+prints one line per rank. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "STATUS_DIR_ENV",
+    "REQUEST_FILE",
+    "RankReport",
+    "write_report",
+    "read_reports",
+    "describe",
+    "format_picture",
+]
+
+STATUS_DIR_ENV = "MESHPIPE_STATUS_DIR"
+REQUEST_FILE = "snapshot-request"  # written by the first failing rank: "everyone, report"
+_MESSAGE_CHARS = 160
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's account of itself.
+
+    ``kind`` is "failed" (this rank raised), "snapshot" (another rank failed and this one
+    said where it was), "stopped" (the launcher stopped it with a signal) or "finished"
+    (its script returned). ``status`` is
+    the pipeline's ``status()`` dict when there is one; ``in_step`` says whether the rank
+    was inside ``Pipeline.step``/``forward``; ``where`` is the innermost line of user code.
+    """
+
+    global_rank: int
+    kind: str
+    error: str | None = None
+    status: Mapping[str, Any] | None = None
+    in_step: bool = False
+    where: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankReport:
+        return cls(
+            global_rank=int(d["global_rank"]),
+            kind=str(d.get("kind", "failed")),
+            error=d.get("error"),
+            status=d.get("status"),
+            in_step=bool(d.get("in_step", False)),
+            where=d.get("where"),
+            extra=dict(d.get("extra") or {}),
+        )
+
+
+def _path(directory: str | os.PathLike[str], global_rank: int) -> str:
+    return os.path.join(os.fspath(directory), f"rank-{global_rank}.json")
+
+
+def write_report(directory: str | os.PathLike[str], report: RankReport) -> None:
+    """Write ``report`` atomically (a reader never sees half a file)."""
+    path = _path(directory, report.global_rank)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(asdict(report), fh, default=str)
+    os.replace(tmp, path)
+
+
+def has_report(directory: str | os.PathLike[str], global_rank: int) -> bool:
+    return os.path.exists(_path(directory, global_rank))
+
+
+def read_reports(directory: str | os.PathLike[str]) -> dict[int, RankReport]:
+    """Every readable report in ``directory``, by global rank."""
+    out: dict[int, RankReport] = {}
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    for name in names:
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            with open(os.path.join(directory, name), encoding="utf-8") as fh:
+                report = RankReport.from_dict(json.load(fh))
+            out[report.global_rank] = report
+    return out
+
+
+def _coords(status: Mapping[str, Any] | None) -> str:
+    coords = (status or {}).get("coords") or {}
+    return " ".join(f"{k}={v}" for k, v in coords.items())
+
+
+def _short(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= _MESSAGE_CHARS else line[: _MESSAGE_CHARS - 3] + "..."
+
+
+def _doing(report: RankReport) -> str:
+    """The pipeline part of a line: step, action, microbatch and the awaited peer."""
+    st = report.status
+    if st is None:
+        return "outside a pipeline"
+    step = st.get("step")
+    if not report.in_step:
+        return f"outside a pipeline step (after {step} step(s))"
+    text = f"in step {step}"
+    if st.get("action") is not None:
+        text += f" at {st['action']} (mb {st.get('mb')})"
+    peer = st.get("waiting_for_global_rank")
+    if peer is not None:
+        text += f", waiting for rank {peer} (pp rank {st.get('waiting_for_pp_rank')})"
+    elif report.kind != "failed":
+        text += ", not waiting on a peer"
+    return text
+
+
+def describe(report: RankReport) -> str:
+    """One line for one rank, e.g. ``rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at 0B0 ...``."""
+    head = f"rank {report.global_rank}"
+    coords = _coords(report.status)
+    if coords:
+        head += f" [{coords}]"
+    if report.kind == "finished":
+        return f"{head} finished its script"
+    label = {"failed": "FAILED", "snapshot": "was", "stopped": "stopped while"}.get(
+        report.kind, report.kind
+    )
+    line = f"{head} {label} {_doing(report)}"
+    if report.where:
+        line += f"; at {report.where}"
+    if report.error:
+        line += f": {_short(report.error)}"
+    return line
+
+
+def format_picture(
+    reports: Mapping[int, RankReport],
+    world_size: int,
+    exit_codes: Mapping[int, int] | None = None,
+) -> str:
+    """One line per global rank (ranks without a report say so), failures listed first."""
+    codes = exit_codes or {}
+    lines: list[str] = []
+    order: Sequence[int] = sorted(
+        range(world_size), key=lambda r: (reports.get(r, _NONE).kind != "failed", r)
+    )
+    for r in order:
+        rep = reports.get(r)
+        if rep is None:
+            code = codes.get(r)
+            how = f"exited with code {code}" if code is not None else "gave no report"
+            lines.append(f"rank {r} {how} (it was killed, or never started the script)")
+        else:
+            lines.append(describe(rep))
+    return "\n".join(lines)
+
+
+_NONE = RankReport(global_rank=-1, kind="none")

@@ -1,0 +1,176 @@
+"""`meshpipe launch` for real: ranks get torchrun's environment, failures and hangs end with
+one line per rank saying what it was doing, Ctrl-C stops every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from meshpipe.cli import main
+from meshpipe.launch.report import RankReport, describe, format_picture, read_reports, write_report
+
+LAUNCH = [sys.executable, "-m", "meshpipe.cli", "launch"]
+
+# Ranks of these scripts import no torch, so they start in a fraction of a second.
+ENV_SCRIPT = """
+import os, sys
+rank = os.environ["RANK"]
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS"]
+with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as fh:
+    fh.write(" ".join(os.environ[k] for k in keys) + " " + " ".join(sys.argv[2:]))
+if sys.argv[2] == "fail" and rank == "1":
+    sys.exit(3)  # EXIT
+"""
+
+SLEEP_SCRIPT = """
+import os, sys, time
+open(os.path.join(sys.argv[1], "started-" + os.environ["RANK"]), "w").close()
+time.sleep(120)
+"""
+
+# One rank skips a step: the other waits for its gradient and times out after 6 s (short,
+# but long enough for a first step on a busy machine).
+HANG_SCRIPT = """
+import os, sys, time
+import torch
+from torch import nn
+import meshpipe
+
+def main():
+    mesh = meshpipe.init_mesh(pp=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    pipe = meshpipe.Pipeline(
+        model, mesh, schedule="1f1b", num_microbatches=2, loss_fn=nn.functional.mse_loss,
+        timeout=6.0,
+    )
+    for step in range(3):
+        if step == 1 and mesh.get_local_rank("pp") == 1:
+            with open(sys.argv[1], "w") as fh:
+                fh.write(repr(time.time()))
+            time.sleep(120)  # HANG: this rank skips step 1
+        pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
+
+main()
+"""
+
+
+def _line(text: str, marker: str) -> int:
+    """The line number of ``marker`` in a script written by _script."""
+    lines = textwrap.dedent(text).splitlines()
+    return next(i for i, line in enumerate(lines, 1) if marker in line)
+
+
+def _script(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+@pytest.mark.timeout(120)
+def test_ranks_get_torchrun_env_and_failures_are_reported(tmp_path: Path) -> None:
+    script = _script(tmp_path, "env.py", ENV_SCRIPT)
+    ok = _run([*LAUNCH, "-n", "2", str(script), str(tmp_path), "ok", "--flag"], 60)
+    assert ok.returncode == 0, ok.stderr
+    for rank in (0, 1):
+        fields = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert fields == [str(rank), "2", str(rank), "127.0.0.1", "1", "ok", "--flag"]
+
+    bad = _run([*LAUNCH, "-n", "2", str(script), str(tmp_path), "fail"], 60)
+    assert bad.returncode == 3, bad.stderr
+    assert "the job failed (exit 3)" in bad.stderr
+    exit_line = _line(ENV_SCRIPT, "# EXIT")
+    assert (
+        f"rank 1 FAILED outside a pipeline; at env.py:{exit_line} in <module>: SystemExit: 3"
+        in (bad.stderr)
+    )
+    assert "rank 0 finished its script" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_hang_is_diagnosed_within_the_timeout(tmp_path: Path) -> None:
+    script = _script(tmp_path, "hang.py", HANG_SCRIPT)
+    hang_line = _line(HANG_SCRIPT, "# HANG")
+    stamp = tmp_path / "hang-started"
+    proc = _run([*LAUNCH, "-n", "2", str(script), str(stamp)], 100)
+    ended = time.time()
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    picture = proc.stderr[proc.stderr.index("what each rank was doing:") :]
+    lines = picture.splitlines()[1:3]
+    assert lines[0].startswith("rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at 0B0 (mb 0), ")
+    assert "waiting for rank 1 (pp rank 1); at hang.py:" in lines[0]
+    assert "CommTimeoutError: rank 0 waited 6.0s in 0B0" in lines[0]
+    assert lines[1].startswith("rank 1 [pp=1 dp=0 tp=0] ")
+    assert f"outside a pipeline step (after 1 step(s)); at hang.py:{hang_line} in main" in lines[1]
+    # diagnosed within the 6 s timeout, plus the time for ranks to report and stop
+    assert ended - float(stamp.read_text()) < 6.0 + 12.0
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_rank_and_says_where_they_were(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleeper.py", SLEEP_SCRIPT)
+    proc = subprocess.Popen(
+        [*LAUNCH, "-n", "2", str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+            (tmp_path / f"started-{r}").exists() for r in (0, 1)
+        ):
+            time.sleep(0.1)
+        assert all((tmp_path / f"started-{r}").exists() for r in (0, 1)), "ranks never started"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "the job interrupted" in err
+    for rank in (0, 1):
+        where = f"sleeper.py:{_line(SLEEP_SCRIPT, 'sleep(')} in <module>"
+        assert f"rank {rank} stopped while outside a pipeline; at {where}" in err
+
+
+def test_refuses_bad_arguments_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["launch", "-n", "2", str(tmp_path / "missing.py")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["launch", "-n", "0", str(tmp_path / "missing.py")]) == 2
+    assert main(["launch", "-n", "2"]) == 2
+
+
+def test_picture_has_a_line_per_rank_failures_first(tmp_path: Path) -> None:
+    status = {
+        "global_rank": 2, "pp_rank": 1, "coords": {"pp": 1, "dp": 0, "tp": 0}, "step": 4,
+        "action": "1F3", "mb": 3, "waiting_for_pp_rank": 0, "waiting_for_global_rank": 0,
+    }  # fmt: skip
+    write_report(tmp_path, RankReport(2, "failed", "CommTimeoutError: slow\nmore", status, True))
+    write_report(tmp_path, RankReport(0, "snapshot", None, None, False, "train.py:7 in main"))
+    reports = read_reports(tmp_path)
+    assert set(reports) == {0, 2}
+    text = format_picture(reports, 3, {1: -9})
+    assert text.splitlines() == [
+        "rank 2 [pp=1 dp=0 tp=0] FAILED in step 4 at 1F3 (mb 3), waiting for rank 0 "
+        "(pp rank 0): CommTimeoutError: slow",
+        "rank 0 was outside a pipeline; at train.py:7 in main",
+        "rank 1 exited with code -9 (it was killed, or never started the script)",
+    ]
+    assert describe(reports[2]).startswith("rank 2 [pp=1 dp=0 tp=0] FAILED")
