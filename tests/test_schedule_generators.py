@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
-from meshpipe.schedule import Op, Schedule, get_schedule, schedule_names, validate
+from meshpipe.schedule import Action, Op, Schedule, get_schedule, schedule_names, validate
 from meshpipe.schedule.generators._vshape import v_placement
 from meshpipe.schedule.registry import _REGISTRY
 from meshpipe.schedule.replay import replay
@@ -26,12 +26,13 @@ def build_or_suggestion(name: str, p: int, m: int, spr: int | None) -> Schedule:
     except ValueError as e:
         found = _SUGGESTION.findall(str(e))
         assert found, f"{name} refused ({p}, {m}, {spr}) without naming a size: {e}"
-        sizes = {"num_ranks": p, "num_microbatches": m, "stages_per_rank": spr}
-        sizes.update({k: int(v) for k, v in found})
-        s = get_schedule(
-            name, sizes["num_ranks"], sizes["num_microbatches"], sizes["stages_per_rank"]
-        )  # type: ignore[arg-type]
-        return s
+        fixed = {k: int(v) for k, v in found}
+        return get_schedule(
+            name,
+            fixed.get("num_ranks", p),
+            fixed.get("num_microbatches", m),
+            fixed.get("stages_per_rank", spr),
+        )
 
 
 def check(s: Schedule) -> None:
@@ -137,19 +138,15 @@ def measure(
     return makespan, 1 - busy / (s.num_ranks * makespan), max(map(_peak, s.actions))
 
 
-def _peak(row: tuple[object, ...]) -> int:
-    last = {}
-    for pos, a in enumerate(row):
-        assert hasattr(a, "op")
-        if a.op is not Op.F:  # type: ignore[attr-defined]
-            last[(a.stage, a.mb)] = pos  # type: ignore[attr-defined]
+def _peak(row: Sequence[Action]) -> int:
+    """Most (stage, mb) activations held at once: from the F to the last backward."""
+    last = {(a.stage, a.mb): pos for pos, a in enumerate(row) if a.op is not Op.F}
     held = peak = 0
     for pos, a in enumerate(row):
-        key = (a.stage, a.mb)  # type: ignore[attr-defined]
-        if a.op is Op.F:  # type: ignore[attr-defined]
+        if a.op is Op.F:
             held += 1
             peak = max(peak, held)
-        elif last[key] == pos:
+        elif last[(a.stage, a.mb)] == pos:
             held -= 1
     return peak
 
