@@ -27,8 +27,6 @@ from meshpipe.demo.text import Batches, CharTokenizer, make_text
 
 __all__ = ["main"]
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class _Job:
@@ -132,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"meshpipe demo: a {job.num_params / 1e3:.0f}k-parameter GPT learns generated text "
             f"with {job.pipe.schedule.name} on pp={opts.pp} x dp={opts.dp} "
-            f"({opts.ranks} ranks, {startup:.1f} s to start)",
+            f"({opts.ranks} ranks" + (f", {startup:.1f} s to start)" if started else ")"),
             flush=True,
         )
         progress = Progress(opts.steps)
