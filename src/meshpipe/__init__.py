@@ -35,7 +35,7 @@ _LAZY: dict[str, str] = {
     "init_mesh": "meshpipe.runtime.topology",
     "Pipeline": "meshpipe.runtime.pipeline",
 }
-_SUBMODULES = {"schedule", "sim", "runtime", "testing", "errors", "cli"}
+_SUBMODULES = {"schedule", "sim", "runtime", "testing", "errors", "cli", "checkpoint"}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 

@@ -1,0 +1,225 @@
+"""save and load: layout-independent checkpoints over torch.distributed.checkpoint (DCP)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from meshpipe.checkpoint import atomic
+from meshpipe.checkpoint.errors import CheckpointError
+from meshpipe.checkpoint.extra import decode, encode
+from meshpipe.checkpoint.safe_reader import SafeLoadPlanner, SafeReader, read_metadata
+from meshpipe.checkpoint.state import (
+    MODEL,
+    apply_optimizer,
+    check_match,
+    checkpoint_shapes,
+    compare,
+    merge_optim_json,
+    model_state,
+    optimizer_request,
+    optimizer_state,
+    raise_gathered,
+)
+from meshpipe.checkpoint.target import Target, as_target
+
+__all__ = ["save", "load", "FORMAT", "VERSION"]
+
+log = logging.getLogger(__name__)
+FORMAT = "meshpipe.checkpoint"
+VERSION = 1
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: we know."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _local_save_state(
+    t: Target, optimizer: torch.optim.Optimizer | None, extra: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    if extra is not None and not isinstance(extra, dict):
+        raise CheckpointError(f"extra must be a dict or None, got {type(extra).__name__}")
+    state = {MODEL + k: v for k, v in model_state(t.modules).items()}
+    info: dict[str, Any] = {"extra": encode(extra or {}), "optim": None}
+    if optimizer is not None:
+        tensors, info["optim"] = optimizer_state(optimizer, t.named_params)
+        state.update(tensors)
+    return state, info
+
+
+def save(
+    pipe: Any,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Save ``pipe``'s model (and ``optimizer``, and ``extra``) to the directory ``path``.
+
+    ``pipe`` is a Pipeline (every process calls save together) or an nn.Module (this process
+    alone). Keys are the original parameter names, so any layout can load the result.
+    ``extra``: JSON values and tensors, kept per process (see :func:`load`). The save is
+    atomic: until it returns, ``path`` holds the previous checkpoint, if any.
+    """
+    t = as_target(pipe)
+    start = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    state: dict[str, torch.Tensor] = {}
+    info: dict[str, Any] = {"error": None, "path": path, "token": None}
+    try:
+        state, local = _local_save_state(t, optimizer, extra)
+        info.update(local)
+        if t.rank == 0:
+            atomic.prepare(path)
+            info["token"] = uuid.uuid4().hex[:12]
+    except (CheckpointError, OSError) as e:
+        info["error"] = str(e)
+    infos = t.all_gather(info)
+    raise_gathered(infos, f"save to {path}", path)
+    if len({i["path"] for i in infos}) > 1:
+        raise CheckpointError(
+            f"processes passed different paths: {sorted({i['path'] for i in infos})}"
+        )
+    with_optim = [i["optim"] is not None for i in infos]
+    if any(with_optim) and not all(with_optim):
+        raise CheckpointError(
+            f"an optimizer was passed on ranks {[r for r, w in enumerate(with_optim) if w]} "
+            "only; pass it on every rank or on none"
+        )
+    staged = atomic.staging_dir(path, infos[0]["token"])
+    writer = FileSystemWriter(staged, single_file_per_rank=True, sync_files=True, overwrite=False)
+    with _quiet_single_process():
+        dcp_save(
+            state, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=not t.distributed
+        )
+    error = None
+    if t.rank == 0:
+        try:
+            record = {
+                "format": FORMAT,
+                "version": VERSION,
+                "torch": torch.__version__,
+                "layout": t.layout,
+                "optimizer": merge_optim_json([i["optim"] for i in infos])
+                if all(with_optim)
+                else None,
+                "extra": {str(r): i["extra"] for r, i in enumerate(infos)},
+            }
+            atomic.write_json(os.path.join(staged, atomic.MARKER), record)
+            atomic.publish(staged, path, infos[0]["token"])
+        except (CheckpointError, OSError) as e:
+            error = f"cannot save to {path}: {type(e).__name__}: {e}"
+            atomic.remove_quietly(staged)
+    t.fail_together(error)
+    log.info("saved %s (%d local tensors) in %.2fs", path, len(state), time.perf_counter() - start)
+
+
+def _read_record(directory: str) -> dict[str, Any]:
+    file = os.path.join(directory, atomic.MARKER)
+    try:
+        with open(file, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} cannot be read: {e}", path=directory) from e
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a meshpipe checkpoint record", path=directory)
+    if record.get("version") != VERSION:
+        raise CheckpointError(
+            f"{file} has format version {record.get('version')!r}; this meshpipe reads {VERSION}",
+            path=directory,
+        )
+    return record
+
+
+def _extra_for(t: Target, record: dict[str, Any]) -> dict[str, Any]:
+    extras = record["extra"]
+    key = str(t.rank) if record["layout"].get("world_size") == t.world_size else "0"
+    if key != str(t.rank):
+        log.info("checkpoint saved by %d processes: returning rank 0's extra", len(extras))
+    value = decode(extras.get(key, {}))
+    return value if isinstance(value, dict) else {}
+
+
+def _plan_load(
+    t: Target, directory: str, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """This process's DCP request, the checkpoint record, and what it found wrong."""
+    record = _read_record(directory)
+    metadata = read_metadata(directory)
+    saved = checkpoint_shapes(metadata, MODEL, directory)
+    local = model_state(t.modules)
+    missing, mismatched = compare(local, saved)
+    request = {MODEL + k: v for k, v in local.items() if k in saved}
+    if optimizer is not None:
+        if record["optimizer"] is None:
+            raise CheckpointError(f"{directory} holds no optimizer state", path=directory)
+        optim, optim_missing = optimizer_request(
+            optimizer, t.named_params, metadata, record["optimizer"]
+        )
+        missing += optim_missing
+        request.update(optim)
+    found = {"error": None, "keys": sorted(local), "missing": missing, "mismatched": mismatched}
+    found["saved"] = sorted(saved) if t.rank == 0 else []
+    return request, record, found
+
+
+def load(
+    pipe: Any,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``pipe`` (and ``optimizer``); return ``extra``.
+
+    ``pipe`` is a Pipeline (every process calls load together) or an nn.Module (this
+    process alone). Before reading any tensor, the checkpoint is checked against the model:
+    a CheckpointError names missing, unexpected and mismatched-shape keys (with
+    ``strict=False`` only mismatched shapes are refused). The returned ``extra`` is the one
+    this global rank saved, or rank 0's when the world size differs.
+    """
+    t = as_target(pipe)
+    start = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    request: dict[str, torch.Tensor] = {}
+    record: dict[str, Any] = {}
+    found: dict[str, Any] = {"error": None, "keys": [], "missing": [], "mismatched": []}
+    directory = path
+    try:
+        directory = atomic.resolve(path)
+        request, record, found = _plan_load(t, directory, optimizer)
+    except (CheckpointError, OSError) as e:
+        found["error"] = str(e)
+    infos = t.all_gather(found)
+    raise_gathered(infos, f"load {path}", path)
+    check_match(path, infos, infos[0]["saved"], strict)
+    with _quiet_single_process():
+        dcp_load(
+            request,
+            storage_reader=SafeReader(directory),
+            planner=SafeLoadPlanner(allow_partial_load=False),
+            no_dist=not t.distributed,
+        )
+    if optimizer is not None:
+        optim = {k: v for k, v in request.items() if not k.startswith(MODEL)}
+        apply_optimizer(optimizer, t.named_params, optim, record["optimizer"])
+    log.info(
+        "loaded %s (%d local tensors) in %.2fs", path, len(request), time.perf_counter() - start
+    )
+    return _extra_for(t, record)

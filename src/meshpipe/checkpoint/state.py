@@ -1,0 +1,278 @@
+"""Flat state dicts keyed by original names: model tensors, and optimizer state per parameter.
+
+DCP keys: ``model.<fqn>`` for parameters and buffers, ``optim.state.<fqn>.<name>`` for the
+optimizer's tensor state of parameter ``<fqn>``. The optimizer's integer parameter ids
+differ between layouts, so they never reach the checkpoint; hyperparameters and non-tensor
+state go to JSON (``OptimJson``), grouped by the parameters' names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from meshpipe.checkpoint.errors import CheckpointError
+from meshpipe.checkpoint.extra import decode, encode
+from meshpipe.checkpoint.target import is_dtensor, shape_of
+
+__all__ = [
+    "MODEL",
+    "OPTIM",
+    "model_state",
+    "checkpoint_shapes",
+    "compare",
+    "optimizer_state",
+    "merge_optim_json",
+    "optimizer_request",
+    "apply_optimizer",
+]
+
+MODEL = "model."
+OPTIM = "optim.state."
+Mismatch = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+def model_state(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of this process's modules, by original name."""
+    out: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for key, value in module.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                out.setdefault(key, value)
+    return out
+
+
+def checkpoint_shapes(metadata: Metadata, prefix: str, path: str) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor key under ``prefix`` in DCP's metadata (prefix removed)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(
+                f"{path}: key {key!r} holds pickled bytes, not a tensor; meshpipe checkpoints "
+                "hold tensors only and it will not unpickle data",
+                path=path,
+            )
+        out[key[len(prefix) :]] = tuple(int(n) for n in md.size)
+    return out
+
+
+def compare(
+    local: dict[str, torch.Tensor], saved: dict[str, tuple[int, ...]]
+) -> tuple[list[str], list[Mismatch]]:
+    """Keys this process needs that are not saved, and saved keys of a different shape."""
+    missing = sorted(k for k in local if k not in saved)
+    mismatched = sorted(
+        (k, saved[k], shape_of(v))
+        for k, v in local.items()
+        if k in saved and saved[k] != shape_of(v)
+    )
+    return missing, mismatched
+
+
+def _names(named_params: Iterable[tuple[str, nn.Parameter]]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in named_params:
+        names.setdefault(id(p), name)
+    return names
+
+
+def _group_params(
+    optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, nn.Parameter]]
+) -> list[list[tuple[str, torch.Tensor]]]:
+    names = _names(named_params)
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        named = []
+        for j, p in enumerate(group["params"]):
+            if id(p) not in names:
+                raise CheckpointError(
+                    f"the optimizer's param_groups[{i}]['params'][{j}] (shape "
+                    f"{shape_of(p)}) is not a parameter of the model being saved or loaded"
+                )
+            named.append((names[id(p)], p))
+        groups.append(named)
+    return groups
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, nn.Parameter]]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """DCP tensors and the JSON part (class, hyperparameters, non-tensor state) by name."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group, named in zip(optimizer.param_groups, _group_params(optimizer, named_params)):
+        hparams = {k: v for k, v in group.items() if k != "params"}
+        groups.append(
+            {
+                "hparams": encode(hparams, "[optimizer hyperparameters]"),
+                "params": [n for n, _ in named],
+            }
+        )
+        for name, p in named:
+            for key, value in optimizer.state.get(p, {}).items():
+                if not isinstance(key, str) or "." in key:
+                    raise CheckpointError(
+                        f"optimizer state key {key!r} of {name!r} is not a plain name"
+                    )
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{OPTIM}{name}.{key}"] = value
+                else:
+                    scalars.setdefault(name, {})[key] = encode(value, f"[optimizer state {name}]")
+    return tensors, {"class": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
+
+
+def merge_optim_json(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One JSON record from every process's: groups with equal hyperparameters are merged."""
+    classes = sorted({p["class"] for p in parts})
+    if len(classes) != 1:
+        raise CheckpointError(f"processes hold different optimizer classes: {classes}")
+    merged: dict[str, dict[str, Any]] = {}
+    seen: set[str] = set()
+    scalars: dict[str, Any] = {}
+    for part in parts:
+        for group in part["param_groups"]:
+            sig = json.dumps(group["hparams"], sort_keys=True)
+            entry = merged.setdefault(sig, {"hparams": group["hparams"], "params": []})
+            for name in group["params"]:
+                if name not in seen:
+                    seen.add(name)
+                    entry["params"].append(name)
+        for name, values in part["scalars"].items():
+            scalars.setdefault(name, values)
+    return {"class": classes[0], "param_groups": list(merged.values()), "scalars": scalars}
+
+
+def _allocate(md: TensorStorageMetadata, param: torch.Tensor) -> torch.Tensor:
+    size = tuple(int(n) for n in md.size)
+    dtype = md.properties.dtype
+    if size == shape_of(param):
+        # same shape as the parameter: same device and, for a DTensor, the same sharding
+        return torch.empty_like(param.detach(), dtype=dtype)
+    device = param.device if size and not is_dtensor(param) else torch.device("cpu")
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+def optimizer_request(
+    optimizer: torch.optim.Optimizer,
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    metadata: Metadata,
+    saved: dict[str, Any],
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Tensors for DCP to fill with this optimizer's state, and the names it lacks."""
+    if saved["class"] != type(optimizer).__name__:
+        raise CheckpointError(
+            f"the checkpoint holds {saved['class']} state but the optimizer is a "
+            f"{type(optimizer).__name__}"
+        )
+    known = {name for g in saved["param_groups"] for name in g["params"]}
+    by_param: dict[str, list[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith(OPTIM):
+            name = key[len(OPTIM) :].rpartition(".")[0]
+            by_param.setdefault(name, []).append(key)
+    request: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for named in _group_params(optimizer, named_params):
+        for name, p in named:
+            if name not in known:
+                missing.append(f"optim.param_groups.{name}")
+            for key in by_param.get(name, []):
+                md = metadata.state_dict_metadata[key]
+                if not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointError(
+                        f"checkpoint key {key!r} holds pickled bytes, not a tensor"
+                    )
+                request[key] = _allocate(md, p)
+    return request, sorted(missing)
+
+
+def _set_hparams(group: dict[str, Any], names: list[str], saved: dict[str, Any]) -> None:
+    sigs = {name: saved[name] for name in names if name in saved}
+    distinct = {json.dumps(v, sort_keys=True) for v in sigs.values()}
+    if len(distinct) > 1:
+        raise CheckpointError(
+            f"one optimizer param group holds {names}, which were saved with different "
+            "hyperparameters; group the parameters as when saving"
+        )
+    if not sigs:
+        return
+    for key, value in decode(next(iter(sigs.values()))).items():
+        current = group.get(key)
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+            current.copy_(value)
+        else:
+            group[key] = value
+
+
+def apply_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    loaded: dict[str, torch.Tensor],
+    saved: dict[str, Any],
+) -> None:
+    """Put loaded state and saved hyperparameters into ``optimizer`` (via load_state_dict)."""
+    hparams = {name: g["hparams"] for g in saved["param_groups"] for name in g["params"]}
+    scalars = saved["scalars"]
+    by_name: dict[str, dict[str, Any]] = {}
+    for key, tensor in loaded.items():
+        name, _, state_key = key[len(OPTIM) :].rpartition(".")
+        by_name.setdefault(name, {})[state_key] = tensor
+    native = optimizer.state_dict()
+    state: dict[int, dict[str, Any]] = {}
+    index = 0
+    for group, named in zip(native["param_groups"], _group_params(optimizer, named_params)):
+        _set_hparams(group, [n for n, _ in named], hparams)
+        for name, _ in named:
+            entry = dict(by_name.get(name, {}))
+            entry.update(decode(scalars.get(name, {})))
+            if entry:
+                state[index] = entry
+            index += 1
+    optimizer.load_state_dict({"state": state, "param_groups": native["param_groups"]})
+
+
+def raise_gathered(infos: list[dict[str, Any]], what: str, path: str) -> None:
+    """Raise the same CheckpointError on every process if any process reported an error."""
+    errors = {r: i["error"] for r, i in enumerate(infos) if i["error"] is not None}
+    if errors:
+        text = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+        raise CheckpointError(f"cannot {what}: {text}", path=path)
+
+
+def check_match(path: str, infos: list[dict[str, Any]], saved: Iterable[str], strict: bool) -> None:
+    """Raise CheckpointError naming missing, unexpected and mismatched keys over all processes.
+
+    ``infos``: every process's ``keys`` (what it holds), ``missing`` and ``mismatched``.
+    """
+    everyone = {k for i in infos for k in i["keys"]}
+    missing = sorted({k for i in infos for k in i["missing"]})
+    mismatched: list[Mismatch] = sorted(
+        {(k, tuple(a), tuple(b)) for i in infos for k, a, b in i["mismatched"]}
+    )
+    unexpected = sorted(k for k in saved if k not in everyone)
+    if not mismatched and not (strict and (missing or unexpected)):
+        return
+    parts = [
+        f"{label} {keys[:20]}{' ...' if len(keys) > 20 else ''}"
+        for label, keys in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mismatched (key, checkpoint shape, model shape)", mismatched),
+        )
+        if keys
+    ]
+    raise CheckpointError(
+        f"{path} does not match the model: " + "; ".join(parts),
+        path=path,
+        missing=missing,
+        unexpected=unexpected,
+        mismatched=mismatched,
+    )
