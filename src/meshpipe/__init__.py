@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     # runtime (torch)
     "init_mesh": "meshpipe.runtime.topology",
     "Pipeline": "meshpipe.runtime.pipeline",
+    "split": "meshpipe.split",
 }
 _SUBMODULES = {"schedule", "sim", "runtime", "testing", "errors", "cli", "checkpoint"}
 

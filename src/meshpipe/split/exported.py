@@ -1,0 +1,101 @@
+"""The export route: torch.export the whole model, cut the graph, build one GraphStage each."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshpipe.errors import SplitError
+from meshpipe.split.graph import StageGraph, export_model, plan_stages
+from meshpipe.split.module import GraphStage, attach_tensors
+
+__all__ = ["split_exported"]
+
+log = logging.getLogger(__name__)
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the model, the first name of a shared tensor first."""
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+
+
+def _export_device(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
+    for t in [*model.parameters(), *model.buffers()]:
+        return t.device
+    for v in [*args, *kwargs.values()]:
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+def _canonical(model: nn.Module, graphs: Sequence[StageGraph]) -> list[set[int]]:
+    """Per stage, the ids of the tensors it holds; get_attr targets renamed to canonical FQNs.
+
+    Tensors no stage uses go with the stage holding their module's other tensors, else with
+    the stage of the tensor registered just before them, so every tensor has a home.
+    """
+    canon: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        canon.setdefault(id(t), name)
+    by_name = dict(_named_tensors(model))
+    wanted: list[set[int]] = []
+    for sg in graphs:
+        ids: set[int] = set()
+        for node in sg.graph.nodes:
+            if node.op == "get_attr" and node.target in by_name:
+                t = by_name[str(node.target)]
+                node.target = canon[id(t)]
+                ids.add(id(t))
+        sg.param_names = tuple(canon[id(by_name[n])] for n in sg.param_names)
+        sg.buffer_names = tuple(canon[id(by_name[n])] for n in sg.buffer_names)
+        wanted.append(ids)
+    used = set().union(*wanted)
+    home = 0
+    for module in model.modules():
+        direct = [*module._parameters.values(), *module._buffers.values()]
+        own = [t for t in direct if t is not None]
+        stages = [s for s, ids in enumerate(wanted) if any(id(t) in ids for t in own)]
+        for t in own:
+            if id(t) in used:
+                home = max(s for s, ids in enumerate(wanted) if id(t) in ids)
+                continue
+            for s in stages or [home]:
+                wanted[s].add(id(t))
+            used.add(id(t))
+    return wanted
+
+
+def split_exported(
+    model: nn.Module,
+    points: Sequence[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> list[GraphStage]:
+    """Split ``model`` at ``points`` by exporting it on the example inputs."""
+    if not args and not kwargs:
+        raise SplitError(
+            f"splitting {type(model).__name__} needs tracing, so it needs example inputs: "
+            "pass example_args=/example_kwargs= (Pipeline takes them from the first step)"
+        )
+    device = _export_device(model, args, kwargs)
+    ep = export_model(model, args, kwargs)
+    graphs = plan_stages(ep, points)
+    wanted = _canonical(model, graphs)
+    in_spec = ep.call_spec.in_spec
+    out_spec = ep.call_spec.out_spec
+    if in_spec is None or out_spec is None:
+        raise SplitError("torch.export gave no input/output structure for the model")
+    stages: list[GraphStage] = []
+    last = len(graphs) - 1
+    for s, sg in enumerate(graphs):
+        stage = GraphStage(s, len(graphs), sg, in_spec, out_spec if s == last else None, device)
+        attach_tensors(stage, model, wanted[s])
+        stages.append(stage)
+    return stages

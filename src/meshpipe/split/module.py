@@ -1,0 +1,165 @@
+"""The stage module made from an exported graph: original parameter names, model-input protocol.
+
+Its parameters and buffers sit under their original FQNs: a submodule of the original model
+whose tensors all belong to the stage is attached as it is (so its ``reset_parameters`` is
+there for meta-device materialisation); other ancestors are plain containers holding only the
+stage's tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.fx.node import map_aggregate
+
+from meshpipe.errors import SplitError
+from meshpipe.split.graph import StageGraph
+
+__all__ = ["GraphStage", "attach_tensors"]
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    params = [p for _, p in module.named_parameters(remove_duplicate=False)]
+    return params + [b for _, b in module.named_buffers(remove_duplicate=False)]
+
+
+def attach_tensors(dest: nn.Module, orig: nn.Module, wanted: set[int]) -> None:
+    """Give ``dest`` the tensors of ``orig`` whose ids are in ``wanted``, at the same paths."""
+    for name, p in orig._parameters.items():
+        if p is not None and id(p) in wanted:
+            dest.register_parameter(name, p)
+    for name, b in orig._buffers.items():
+        if b is not None and id(b) in wanted:
+            dest.register_buffer(name, b, persistent=name not in orig._non_persistent_buffers_set)
+    for name, child in orig._modules.items():
+        if child is None:
+            continue
+        ids = {id(t) for t in _tensors(child)}
+        if not ids & wanted:
+            continue
+        if ids <= wanted:
+            dest.add_module(name, child)  # whole: the original object
+        else:
+            shell = nn.Module()
+            attach_tensors(shell, child, wanted)
+            dest.add_module(name, shell)
+
+
+class GraphStage(nn.Module):
+    """One stage cut from an exported graph, called ``stage(boundary, model_args, model_kwargs)``.
+
+    ``boundary`` is the tuple the previous stage returned (None on stage 0); the model's own
+    inputs are read directly, so values computed from them need not travel between stages.
+    The last stage returns the model's output structure.
+    """
+
+    meshpipe_model_inputs = True
+
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        spec: StageGraph,
+        in_spec: pytree.TreeSpec,
+        out_spec: pytree.TreeSpec | None,
+        export_device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.stage_index = index
+        self.num_stages = num_stages
+        self._graph = spec.graph
+        self._num_incoming = spec.num_incoming
+        self._input_indices = spec.input_indices
+        self._in_spec = in_spec
+        self._out_spec = out_spec
+        self._export_device = export_device
+        self._code: dict[torch.device, Callable[..., Any]] = {}
+        for name, t in spec.constants.items():
+            self.register_buffer(name, t, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"stage {self.stage_index} of {self.num_stages}"
+
+    @property
+    def code(self) -> str:
+        """The Python source of this stage's forward (for reading and debugging)."""
+        return self._graph.python_code("self").src
+
+    def _device(self, values: Iterable[Any]) -> torch.device:
+        for p in self.parameters():
+            return p.device
+        for b in self.buffers():
+            return b.device
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                return v.device
+        return self._export_device
+
+    def _compiled(self, device: torch.device) -> Callable[..., Any]:
+        fn = self._code.get(device)
+        if fn is not None:
+            return fn
+        graph = self._graph
+        if device != self._export_device:
+            graph = _on_device(graph, self._export_device, device)
+        code = graph.python_code("self")
+        scope = dict(code.globals)
+        exec(compile(code.src, f"<meshpipe stage {self.stage_index}>", "exec"), scope)
+        made: Callable[..., Any] = scope["forward"]
+        self._code[device] = made
+        return made
+
+    def model_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The model inputs flattened in the order the model was exported with."""
+        spec = self._in_spec
+        kw_spec = spec.children()[1] if spec.num_children == 2 else None
+        keys = list(kw_spec.context) if kw_spec is not None else []
+        if set(kwargs) != set(keys):
+            raise SplitError(
+                f"stage {self.stage_index} was split with keyword inputs {sorted(keys)}, got "
+                f"{sorted(kwargs)}; call the pipeline with the same inputs as the first call"
+            )
+        leaves, got = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in keys}))
+        if got != spec:
+            raise SplitError(
+                f"stage {self.stage_index}: the inputs' structure {got} differs from the "
+                f"structure the model was split with {spec}"
+            )
+        return leaves
+
+    def forward(self, boundary: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        received = () if boundary is None else tuple(boundary)
+        if len(received) != self._num_incoming:
+            raise SplitError(
+                f"stage {self.stage_index} expects {self._num_incoming} values from the "
+                f"previous stage, got {len(received)}"
+            )
+        leaves = self.model_inputs(args, kwargs)
+        inputs = [leaves[i] for i in self._input_indices]
+        fn = self._compiled(self._device([*received, *inputs]))
+        out = fn(self, *received, *inputs)
+        if self._out_spec is None:
+            return tuple(out)
+        return pytree.tree_unflatten(list(out), self._out_spec)
+
+
+def _on_device(graph: fx.Graph, old: torch.device, new: torch.device) -> fx.Graph:
+    """A copy of ``graph`` whose device constants equal to ``old`` become ``new``."""
+    copy = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = copy.graph_copy(graph, env)
+    copy.output(out)
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, torch.device) and x.type == old.type:
+            return new
+        return x
+
+    for node in copy.nodes:
+        node.args = map_aggregate(node.args, fix)
+        node.kwargs = map_aggregate(node.kwargs, fix)
+    return copy

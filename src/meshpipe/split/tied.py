@@ -1,0 +1,100 @@
+"""Tied weights across stages: one process group per set of pp ranks holding a shared parameter,
+equal initial values, and gradients summed over the copies after each backward."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["find_tied", "TiedWeights"]
+
+log = logging.getLogger(__name__)
+
+
+def find_tied(stages: Sequence[nn.Module]) -> list[dict[int, str]]:
+    """Parameters held by more than one stage: per shared tensor, stage -> name in that stage."""
+    by_id: dict[int, dict[int, str]] = {}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            by_id.setdefault(id(p), {}).setdefault(s, name)
+    return [where for where in by_id.values() if len(where) > 1]
+
+
+@dataclass
+class _Group:
+    names: list[tuple[int, str]]  # (local stage, name) of each shared parameter, one per tensor
+    group: dist.ProcessGroup
+    src: int  # global rank whose copy is the initial value
+
+
+class TiedWeights:
+    """This rank's share of the tied parameters; :meth:`sync_grads` after every backward.
+
+    Construction is collective (``dist.new_group``): every process of the job makes the same
+    calls in the same order, from values (the split and the placement) equal on all ranks.
+    """
+
+    def __init__(
+        self,
+        tied: Sequence[dict[int, str]],
+        placement: Sequence[int],
+        mesh: DeviceMesh,
+        pp_axis: str,
+    ) -> None:
+        self._groups: list[_Group] = []
+        if not tied or not dist.is_initialized():
+            return
+        names = tuple(mesh.mesh_dim_names or ())
+        grid = mesh.mesh.movedim(names.index(pp_axis), 0)
+        columns = grid.reshape(grid.shape[0], -1).t().tolist()  # per (dp, tp): pp -> global
+        me = dist.get_rank()
+        by_ranks: dict[tuple[int, ...], list[dict[int, str]]] = {}
+        for where in tied:
+            ranks = tuple(sorted({placement[s] for s in where}))
+            if len(ranks) > 1:
+                by_ranks.setdefault(ranks, []).append(where)
+        for ranks, members in sorted(by_ranks.items()):
+            for column in columns:
+                global_ranks = [int(column[r]) for r in ranks]
+                group = dist.new_group(global_ranks)
+                if me not in global_ranks:
+                    continue
+                pp_rank = ranks[global_ranks.index(me)]
+                local = []
+                for where in members:
+                    s = min(s for s in where if placement[s] == pp_rank)
+                    local.append((s, where[s]))
+                self._groups.append(_Group(local, group, global_ranks[0]))
+        log.info("tied parameters synchronised over %d groups", len(self._groups))
+
+    def _params(self, stages: dict[int, nn.Module], g: _Group) -> list[torch.Tensor]:
+        return [stages[s].get_parameter(name) for s, name in g.names]
+
+    def broadcast(self, stages: dict[int, nn.Module]) -> None:
+        """Make every copy equal to the one on the lowest pp rank holding it."""
+        with torch.no_grad():
+            for g in self._groups:
+                for p in self._params(stages, g):
+                    dist.broadcast(p.data, src=g.src, group=g.group)
+
+    def sync_grads(self, stages: dict[int, nn.Module]) -> None:
+        """Sum each tied parameter's gradient over the copies (one all-reduce per group)."""
+        for g in self._groups:
+            params = self._params(stages, g)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([t.reshape(-1) for t in grads])
+            dist.all_reduce(flat, group=g.group)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone()
+                offset += n
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)

@@ -1,0 +1,115 @@
+"""Models for the split tests (imported inside spawned ranks): tiny Hugging Face transformers
+with random weights, and small hand-made models with a skip connection or unequal blocks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB = 64
+
+
+def quiet_transformers() -> None:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def gpt2(num_layers: int = 4) -> nn.Module:
+    """GPT-2 with tied input embedding and output head, dropout off."""
+    quiet_transformers()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        n_layer=num_layers,
+        n_embd=32,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(num_layers: int = 4) -> nn.Module:
+    quiet_transformers()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=num_layers,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def tokens(batch: int = 8, seq: int = 10, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Input ids, an attention mask with left padding, and next-token targets."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for i in range(batch):
+        mask[i, : i % 3] = 0
+    target = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return ids, mask, target
+
+
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class Skip(nn.Module):
+    """Four blocks whose first block's output also feeds the last (a value skipping stages),
+    two inputs, a keyword input, and two outputs."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+        self.gate = nn.Linear(d, d)
+
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor, *, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h0 = torch.tanh(self.blocks[0](x + y))
+        h = torch.tanh(self.blocks[1](h0))
+        h = torch.tanh(self.blocks[2](h)) * scale
+        out = self.blocks[3](h) + self.gate(h0)
+        return out, h0.mean(dim=-1)
+
+
+def skip_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    main, aux = out
+    return nn.functional.mse_loss(main, target) + aux.pow(2).mean()
+
+
+class Uneven(nn.Module):
+    """A ModuleList of blocks of different widths (unequal parameter counts)."""
+
+    def __init__(self, widths: list[int], d: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, w), nn.Tanh(), nn.Linear(w, d)) for w in widths
+        )
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.out(h)
