@@ -95,10 +95,10 @@ def test_ranks_get_torchrun_env_and_failures_are_reported(tmp_path: Path) -> Non
     assert "the job failed (exit 3)" in bad.stderr
     exit_line = _line(ENV_SCRIPT, "# EXIT")
     assert (
-        f"rank 1 FAILED outside a pipeline; at env.py:{exit_line} in <module>: SystemExit: 3"
+        f"global rank 1 FAILED outside a pipeline; at env.py:{exit_line} in <module>: SystemExit: 3"
         in (bad.stderr)
     )
-    assert "rank 0 finished its script" in bad.stderr
+    assert "global rank 0 finished its script" in bad.stderr
 
 
 @pytest.mark.timeout(120)
@@ -111,10 +111,10 @@ def test_hang_is_diagnosed_within_the_timeout(tmp_path: Path) -> None:
     assert proc.returncode != 0, proc.stdout + proc.stderr
     picture = proc.stderr[proc.stderr.index("what each rank was doing:") :]
     lines = picture.splitlines()[1:3]
-    assert lines[0].startswith("rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at 0B0 (mb 0), ")
-    assert "waiting for rank 1 (pp rank 1); at hang.py:" in lines[0]
+    assert lines[0].startswith("global rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at 0B0 (mb 0), ")
+    assert "waiting for pp rank 1 (global rank 1); at hang.py:" in lines[0]
     assert "CommTimeoutError: rank 0 waited 6.0s in 0B0" in lines[0]
-    assert lines[1].startswith("rank 1 [pp=1 dp=0 tp=0] ")
+    assert lines[1].startswith("global rank 1 [pp=1 dp=0 tp=0] ")
     assert f"outside a pipeline step (after 1 step(s)); at hang.py:{hang_line} in main" in lines[1]
     # diagnosed within the 6 s timeout, plus the time for ranks to report and stop
     assert ended - float(stamp.read_text()) < 6.0 + 12.0
@@ -145,7 +145,7 @@ def test_ctrl_c_stops_every_rank_and_says_where_they_were(tmp_path: Path) -> Non
     assert "the job interrupted" in err
     for rank in (0, 1):
         where = f"sleeper.py:{_line(SLEEP_SCRIPT, 'sleep(')} in <module>"
-        assert f"rank {rank} stopped while outside a pipeline; at {where}" in err
+        assert f"global rank {rank} stopped while outside a pipeline; at {where}" in err
 
 
 def test_refuses_bad_arguments_before_starting(
@@ -162,15 +162,20 @@ def test_picture_has_a_line_per_rank_failures_first(tmp_path: Path) -> None:
         "global_rank": 2, "pp_rank": 1, "coords": {"pp": 1, "dp": 0, "tp": 0}, "step": 4,
         "action": "1F3", "mb": 3, "waiting_for_pp_rank": 0, "waiting_for_global_rank": 0,
     }  # fmt: skip
-    write_report(tmp_path, RankReport(2, "failed", "CommTimeoutError: slow\nmore", status, True))
+    slow = RankReport(2, "failed", "CommTimeoutError: slow\nmore", status, True, time=3.0)
+    write_report(tmp_path, slow)
     write_report(tmp_path, RankReport(0, "snapshot", None, None, False, "train.py:7 in main"))
+    assert set(read_reports(tmp_path)) == {0, 2}
+    write_report(tmp_path, RankReport(3, "failed", "RuntimeError: later", None, time=2.0))
+    write_report(tmp_path, RankReport(4, "failed", "RuntimeError: first", None, time=1.0))
     reports = read_reports(tmp_path)
-    assert set(reports) == {0, 2}
-    text = format_picture(reports, 3, {1: -9})
+    text = format_picture(reports, 5, {1: -9})
     assert text.splitlines() == [
-        "rank 2 [pp=1 dp=0 tp=0] FAILED in step 4 at 1F3 (mb 3), waiting for rank 0 "
-        "(pp rank 0): CommTimeoutError: slow",
-        "rank 0 was outside a pipeline; at train.py:7 in main",
-        "rank 1 exited with code -9 (it was killed, or never started the script)",
+        "global rank 4 FAILED outside a pipeline: RuntimeError: first",
+        "global rank 3 FAILED outside a pipeline: RuntimeError: later",
+        "global rank 2 [pp=1 dp=0 tp=0] FAILED in step 4 at 1F3 (mb 3), waiting for pp rank 0 "
+        "(global rank 0): CommTimeoutError: slow",
+        "global rank 0 was outside a pipeline; at train.py:7 in main",
+        "global rank 1 exited with code -9 (it was killed, or never started the script)",
     ]
-    assert describe(reports[2]).startswith("rank 2 [pp=1 dp=0 tp=0] FAILED")
+    assert describe(reports[2]).startswith("global rank 2 [pp=1 dp=0 tp=0] FAILED")

@@ -38,7 +38,8 @@ class RankReport:
     said where it was), "stopped" (the launcher stopped it with a signal) or "finished"
     (its script returned). ``status`` is
     the pipeline's ``status()`` dict when there is one; ``in_step`` says whether the rank
-    was inside ``Pipeline.step``/``forward``; ``where`` is the innermost line of user code.
+    was inside ``Pipeline.step``/``forward``; ``where`` is the innermost line of user code;
+    ``extra["inside"]`` the innermost line of meshpipe's own code, when there is one.
     """
 
     global_rank: int
@@ -48,6 +49,7 @@ class RankReport:
     in_step: bool = False
     where: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    time: float = 0.0  # time.time() of the report: the earliest failure is the likely cause
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankReport:
@@ -59,6 +61,7 @@ class RankReport:
             in_step=bool(d.get("in_step", False)),
             where=d.get("where"),
             extra=dict(d.get("extra") or {}),
+            time=float(d.get("time", 0.0)),
         )
 
 
@@ -115,16 +118,20 @@ def _doing(report: RankReport) -> str:
     if st.get("action") is not None:
         text += f" at {st['action']} (mb {st.get('mb')})"
     peer = st.get("waiting_for_global_rank")
+    inside = report.extra.get("inside")
     if peer is not None:
-        text += f", waiting for rank {peer} (pp rank {st.get('waiting_for_pp_rank')})"
+        text += f", waiting for pp rank {st.get('waiting_for_pp_rank')} (global rank {peer})"
+    elif inside:
+        text += f", in {inside}"
     elif report.kind != "failed":
         text += ", not waiting on a peer"
     return text
 
 
 def describe(report: RankReport) -> str:
-    """One line for one rank, e.g. ``rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at 0B0 ...``."""
-    head = f"rank {report.global_rank}"
+    """One line for one process, e.g. ``global rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at
+    0B0 ...`` (a "rank" alone is a position on the pp axis, as everywhere in meshpipe)."""
+    head = f"global rank {report.global_rank}"
     coords = _coords(report.status)
     if coords:
         head += f" [{coords}]"
@@ -146,18 +153,23 @@ def format_picture(
     world_size: int,
     exit_codes: Mapping[int, int] | None = None,
 ) -> str:
-    """One line per global rank (ranks without a report say so), failures listed first."""
+    """One line per global rank (ranks without a report say so): failures first, earliest
+    first (the likely cause), then the other ranks in order."""
     codes = exit_codes or {}
     lines: list[str] = []
-    order: Sequence[int] = sorted(
-        range(world_size), key=lambda r: (reports.get(r, _NONE).kind != "failed", r)
-    )
+
+    def key(r: int) -> tuple[bool, float, int]:
+        rep = reports.get(r, _NONE)
+        failed = rep.kind == "failed"
+        return (not failed, rep.time if failed else 0.0, r)
+
+    order: Sequence[int] = sorted(range(world_size), key=key)
     for r in order:
         rep = reports.get(r)
         if rep is None:
             code = codes.get(r)
             how = f"exited with code {code}" if code is not None else "gave no report"
-            lines.append(f"rank {r} {how} (it was killed, or never started the script)")
+            lines.append(f"global rank {r} {how} (it was killed, or never started the script)")
         else:
             lines.append(describe(rep))
     return "\n".join(lines)

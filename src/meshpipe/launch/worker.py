@@ -24,9 +24,9 @@ import sys
 import sysconfig
 import threading
 import time
-import traceback
 from collections.abc import Sequence
-from types import FrameType
+from dataclasses import dataclass
+from types import FrameType, TracebackType
 from typing import Any
 
 from meshpipe.launch.report import (
@@ -38,23 +38,24 @@ from meshpipe.launch.report import (
     write_report,
 )
 
-__all__ = ["main", "snapshot"]
+__all__ = ["main", "snapshot", "Snapshot"]
 
 _POLL_S = 0.1
 _PEER_WAIT_S = 2.0  # how long a failing rank waits for the others' snapshots
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_HIDDEN = (
-    *(os.path.join(_PKG_DIR, d) + os.sep for d in ("runtime", "launch")),
-    sysconfig.get_paths()["stdlib"] + os.sep,
-    "<frozen ",  # the import system and runpy
-)
+_DEMO_DIR = os.path.join(_PKG_DIR, "demo") + os.sep  # the demo is user code, the rest is not
+_LAUNCH_DIR = os.path.join(_PKG_DIR, "launch") + os.sep  # this reporting machinery
+_HIDDEN = (_PKG_DIR + os.sep, sysconfig.get_paths()["stdlib"] + os.sep, "<frozen ")
 
 
-def _hidden() -> tuple[str, ...]:
-    """Path prefixes that are not the user's code: meshpipe's machinery, stdlib, torch."""
+def _is_user_code(filename: str) -> bool:
+    """False for meshpipe's machinery, the standard library, the import system and torch."""
+    if filename.startswith(_DEMO_DIR):
+        return True
     torch = sys.modules.get("torch")
     torch_file = getattr(torch, "__file__", None)
-    return _HIDDEN + ((os.path.dirname(torch_file) + os.sep,) if torch_file else ())
+    hidden = _HIDDEN + ((os.path.dirname(torch_file) + os.sep,) if torch_file else ())
+    return not filename.startswith(hidden)
 
 
 def _global_rank() -> int:
@@ -71,35 +72,71 @@ def _main_frame() -> FrameType | None:
     return sys._current_frames().get(threading.main_thread().ident or -1)
 
 
-def snapshot(frame: FrameType | None = None) -> tuple[dict[str, Any] | None, bool, str | None]:
-    """(pipeline status, inside a step?, innermost user-code line) from the main thread.
+def _stack(frame: FrameType | None) -> list[tuple[FrameType, int]]:
+    """(frame, line) pairs from ``frame`` outwards."""
+    out = []
+    while frame is not None:
+        out.append((frame, frame.f_lineno))
+        frame = frame.f_back
+    return out
+
+
+def _traceback(tb: TracebackType | None) -> list[tuple[FrameType, int]]:
+    """(frame, line) pairs of a traceback, innermost first."""
+    out = []
+    while tb is not None:
+        out.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return out[::-1]
+
+
+@dataclass
+class Snapshot:
+    """Where a rank is: its pipeline's status, whether a step is running, and two lines of
+    code: the innermost of the user's (``where``) and of meshpipe's machinery (``inside``)."""
+
+    status: dict[str, Any] | None = None
+    in_step: bool = False
+    where: str | None = None
+    inside: str | None = None
+
+
+def _line(frame: FrameType, lineno: int) -> str:
+    return f"{os.path.basename(frame.f_code.co_filename)}:{lineno} in {frame.f_code.co_name}"
+
+
+def snapshot(frames: list[tuple[FrameType, int]] | None = None) -> Snapshot:
+    """Read a stack (default: the main thread's), innermost frame first.
 
     A Pipeline whose method is on the stack means the rank is inside a step; otherwise the
     first Pipeline found in a frame's local variables gives the last known status.
     """
-    frame = frame if frame is not None else _main_frame()
-    status: dict[str, Any] | None = None
-    in_step = False
-    where: str | None = None
+    frames = _stack(_main_frame()) if frames is None else frames
+    snap = Snapshot()
     found: object | None = None
-    hidden = _hidden()
-    f = frame
-    while f is not None:
-        code = f.f_code
-        if where is None and not code.co_filename.startswith(hidden):
-            where = f"{os.path.basename(code.co_filename)}:{f.f_lineno} in {code.co_name}"
+    for f, lineno in frames:
+        name = f.f_code.co_filename
+        if snap.where is None and _is_user_code(name):
+            snap.where = _line(f, lineno)
+        ours = name.startswith(_PKG_DIR) and not name.startswith(_LAUNCH_DIR)
+        if snap.inside is None and ours and not _is_user_code(name):
+            snap.inside = _line(f, lineno)
         local = f.f_locals
         if found is None and _is_pipeline(local.get("self")):
-            found, in_step = local["self"], True
+            found, snap.in_step = local["self"], True
         if found is None:
             found = next((v for v in local.values() if _is_pipeline(v)), None)
-        f = f.f_back
     if found is not None:
         try:
-            status = found.status()  # type: ignore[attr-defined]
+            snap.status = found.status()  # type: ignore[attr-defined]
         except Exception:  # a half-built pipeline; the line of code still says enough
-            status = None
-    return status, in_step, where
+            snap.status = None
+    return snap
+
+
+def _report(rank: int, kind: str, error: str | None, snap: Snapshot) -> RankReport:
+    extra = {"inside": snap.inside} if snap.inside else {}
+    return RankReport(rank, kind, error, snap.status, snap.in_step, snap.where, extra, time.time())
 
 
 class _Reporter:
@@ -112,23 +149,26 @@ class _Reporter:
         self._lock = threading.RLock()  # re-entrant: a signal handler may run mid-write
 
     def failure(self, error: BaseException | None, status: dict[str, Any] | None) -> None:
-        text = "" if error is None else f"{type(error).__name__}: {error}"
-        _, in_step, where = snapshot(sys._getframe(1))
-        if error is not None and error.__traceback__ is not None:
-            where = _user_line(error.__traceback__) or where
+        """Report this rank's failure (``status``: the runtime's, when it gave one)."""
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        tb = None if error is None else error.__traceback__
+        snap = snapshot(_traceback(tb) + _stack(sys._getframe(1)))
+        if status is not None:
+            snap.status, snap.in_step = status, True
         with self._lock:
-            write_report(self.directory, RankReport(self.rank, "failed", text, status, True, where))
+            write_report(self.directory, _report(self.rank, "failed", text, snap))
             self.failed = True
         open(os.path.join(self.directory, REQUEST_FILE), "a").close()
 
     def snap(self, kind: str) -> None:
-        """Write where this rank is now, unless it already reported its own failure."""
-        status, in_step, where = snapshot()
+        """Write where this rank is now, unless it already reported (its own failure, or a
+        snapshot asked for when another rank failed: the picture at that moment)."""
+        snap = snapshot()
         with self._lock:
-            if not self.failed:
-                write_report(
-                    self.directory, RankReport(self.rank, kind, None, status, in_step, where)
-                )
+            if not self.failed and not (
+                kind == "stopped" and has_report(self.directory, self.rank)
+            ):
+                write_report(self.directory, _report(self.rank, kind, None, snap))
 
     def watch(self) -> None:
         """Watcher thread: snapshot once when another rank asks."""
@@ -143,15 +183,6 @@ class _Reporter:
         deadline = time.monotonic() + _PEER_WAIT_S
         while time.monotonic() < deadline and len(read_reports(self.directory)) < world:
             time.sleep(_POLL_S)
-
-
-def _user_line(tb: Any) -> str | None:
-    hidden = _hidden()
-    frames = [fs for fs in traceback.extract_tb(tb) if not fs.filename.startswith(hidden)]
-    if not frames:
-        return None
-    fs = frames[-1]
-    return f"{os.path.basename(fs.filename)}:{fs.lineno} in {fs.name}"
 
 
 class _StatusHandler(logging.Handler):
