@@ -113,3 +113,24 @@ class Uneven(nn.Module):
         for layer in self.layers:
             h = h + layer(h)
         return self.out(h)
+
+
+class Stack(nn.Module):
+    """Equal blocks looped over in forward: a 4-stage split holds exactly a quarter each."""
+
+    def __init__(self, num_blocks: int = 8, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(num_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return x
+
+
+def pattern_init(module: nn.Module) -> None:
+    """A deterministic init (the same on every rank and in the reference)."""
+    with torch.no_grad():
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            n = t.numel()
+            t.copy_((torch.sin(torch.arange(n, dtype=torch.float32) * 0.37) * 0.2).view_as(t))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from meshpipe.errors import SplitError
@@ -85,6 +86,8 @@ def split_exported(
             "pass example_args=/example_kwargs= (Pipeline takes them from the first step)"
         )
     device = _export_device(model, args, kwargs)
+    if device.type == "meta":  # trace a meta model on meta copies of the inputs
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
     ep = export_model(model, args, kwargs)
     graphs = plan_stages(ep, points)
     wanted = _canonical(model, graphs)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +70,9 @@ def _dynamic_shapes(
 
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {d: Dim.AUTO for d in range(value.dim())} if value.dim() else None
+            # size-1 dims stay static (export would specialise them anyway, with a warning)
+            dims = {d: Dim.AUTO for d in range(value.dim()) if value.shape[d] > 1}
+            return dims or None
         if isinstance(value, (tuple, list)):
             return type(value)(spec(v) for v in value)
         if isinstance(value, dict):
@@ -99,11 +103,28 @@ def export_model(
     detail = str(first).strip().splitlines()
     summary = detail[0] if detail else type(first).__name__
     raise SplitError(
-        f"torch.export could not trace {type(model).__name__}: {type(first).__name__}: "
-        f"{summary[:500]}. Try points around the construct that failed (so it sits in one "
-        "stage is not enough: the whole model must export), make the model an nn.Sequential, "
-        "or pass Pipeline a list of stage modules (one per stage) instead",
+        f"torch.export could not trace {type(model).__name__} at {_culprit(first)}: "
+        f"{type(first).__name__}: {summary[:400]}. The graph split needs the whole model to "
+        "export: rewrite that construct (data-dependent Python control flow, for instance, as "
+        "torch.cond), use an nn.Sequential split between its children (no tracing), or pass "
+        "Pipeline a list of stage modules (one per stage)"
     ) from first
+
+
+def _culprit(exc: BaseException) -> str:
+    """The innermost frame of the failure that is the user's code (not torch, not meshpipe)."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    found = "an unknown place"
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for frame in traceback.extract_tb(e.__traceback__):
+            if not frame.filename.startswith(skip) and "site-packages/torch" not in frame.filename:
+                line = (frame.line or "").strip()
+                found = f"{frame.filename}:{frame.lineno} in {frame.name} ({line!r})"
+        e = e.__cause__ or e.__context__
+    return found
 
 
 def _sources(ep: ExportedProgram) -> dict[str, Source]:
