@@ -4,8 +4,9 @@ Spawns (each checks several things; spawning costs seconds on two cores):
   train   pp=2        6 steps straight; then 3 steps, save, export
   resume  pp=2        new processes: load, 3 more steps -> the same losses, bitwise
   world4  pp=2 x dp=2 load the pp=2 checkpoint; save (replicas deduplicated); FSDP2 load,
-                      step, save and export; then, on a pp=4 mesh of the same processes,
-                      load the pp=2 and the FSDP2 checkpoints, interleaved stages, errors
+                      step, save and export; pp=2 x tp=2 load, step, save; then, on a
+                      pp=4 mesh of the same processes, load the pp=2, FSDP2 and TP
+                      checkpoints, interleaved stages, errors
 and in this process: load into the plain unsplit nn.Module, the export with load_file.
 """
 
@@ -257,6 +258,27 @@ def _dp(root: str) -> dict[str, Any]:
     return out
 
 
+def _tp(root: str) -> dict[str, Any] | None:
+    """pp=2 x tp=2: load the pp=2 checkpoint into tensor-parallel stages, step, save."""
+    if "tp_plan" not in inspect.signature(meshpipe.Pipeline).parameters:
+        return None
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mesh = meshpipe.init_mesh(pp=2, tp=2)
+    plan = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
+    pipe, opt = build(mesh, seed=96, tp_plan=plan)
+    ck.load(pipe, os.path.join(root, "pp2"), optimizer=opt)
+    out: dict[str, Any] = {"loaded": snapshot(pipe, opt)}
+    out["dtensor"] = all(
+        type(p).__name__ == "DTensor" for n, p in pipe.named_parameters() if n.endswith("up.weight")
+    )
+    torch.manual_seed(6)
+    train_step(pipe, opt, SAVE_AT)
+    ck.save(pipe, os.path.join(root, "tp"), optimizer=opt)
+    out["saved"] = snapshot(pipe, opt)
+    return out
+
+
 def _pp4(root: str) -> dict[str, Any]:
     mesh = meshpipe.init_mesh(pp=4)  # a second mesh over the same 4 processes
     out: dict[str, Any] = {}
@@ -266,6 +288,10 @@ def _pp4(root: str) -> dict[str, Any]:
     pipe, opt = build(mesh, seed=77)
     out["fsdp_extra"] = ck.load(pipe, os.path.join(root, "fsdp"), optimizer=opt)
     out["from_fsdp"] = snapshot(pipe, opt)
+    if os.path.isdir(os.path.join(root, "tp")):
+        pipe, opt = build(mesh, seed=75)
+        ck.load(pipe, os.path.join(root, "tp"), optimizer=opt)
+        out["from_tp"] = snapshot(pipe, opt)
     if os.path.isdir(os.path.join(root, "fsdp_pipe")):
         pipe, opt = build(mesh, seed=76)
         ck.load(pipe, os.path.join(root, "fsdp_pipe"), optimizer=opt)
@@ -287,8 +313,8 @@ def _pp4(root: str) -> dict[str, Any]:
 
 
 def _world4(root: str) -> dict[str, Any]:
-    """pp=2 x dp=2 first (it saves the FSDP2 checkpoint), then pp=4 loads."""
-    return {"dp": _dp(root), "pp4": _pp4(root)}
+    """pp=2 x dp=2 and pp=2 x tp=2 first (they save), then pp=4 loads."""
+    return {"dp": _dp(root), "tp": _tp(root), "pp4": _pp4(root)}
 
 
 # -- fixtures: one spawn each, in dependency order -----------------------------------------
@@ -466,6 +492,22 @@ def test_pipeline_fsdp_save_on_pp2_dp2_load_on_pp4(
     assert_same_optim(
         union(pp4_run, "from_fsdp_pipe", "optim"), union(dp_run, "fsdp_pipeline", "optim")
     )
+
+
+def test_tensor_parallel_save_and_load_across_layouts(
+    trained: list[dict[str, Any]], world4: list[dict[str, Any]]
+) -> None:
+    if world4[0]["tp"] is None:
+        pytest.skip("Pipeline(tp_plan=...) is not available")
+    tp = [r["tp"] for r in world4]
+    assert all(r["dtensor"] for r in tp)
+    want = union(trained, "", "params")
+    for r in tp:
+        mine = r["loaded"]["params"]
+        assert_same_params(mine, {k: want[k] for k in mine})
+    pp4 = [r["pp4"] for r in world4]
+    assert_same_params(union(pp4, "from_tp", "params"), union(tp, "saved", "params"))
+    assert_same_optim(union(pp4, "from_tp", "optim"), union(tp, "saved", "optim"))
 
 
 def test_mismatched_model_fails_the_same_way_on_every_rank(
