@@ -268,3 +268,17 @@ def test_export_tied_weights_and_load_export(tmp_path: Path) -> None:
 def test_wrong_target_type(tmp_path: Path) -> None:
     with pytest.raises(ck.CheckpointError, match="expected a meshpipe.Pipeline or an nn.Module"):
         ck.save({"w": torch.zeros(1)}, tmp_path / "c")
+
+
+def test_demo_passes_save_and_resume_to_its_ranks() -> None:
+    import argparse
+
+    from meshpipe.demo.options import add_demo_args, resolve, to_argv
+
+    parser = argparse.ArgumentParser()
+    add_demo_args(parser)
+    opts = resolve(parser.parse_args(["--ranks", "2", "--save", "a", "--resume", "b"]))
+    assert (opts.save, opts.resume) == ("a", "b")
+    assert resolve(parser.parse_args(to_argv(opts))) == opts
+    plain = resolve(parser.parse_args([]))
+    assert plain.save is None and "--save" not in to_argv(plain)

@@ -41,6 +41,8 @@ class DemoOptions:
     lr: float
     seed: int
     layers: int  # 0: as many as needed, at least 4
+    save: str | None = None  # checkpoint directory written after the last step
+    resume: str | None = None  # checkpoint directory to continue from
 
     @property
     def mesh_text(self) -> str:
@@ -76,6 +78,13 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--layers", type=int, default=0, help="transformer blocks (default 4)")
+    p.add_argument("--save", metavar="DIR", default=None, help="save a checkpoint at the end")
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        default=None,
+        help="continue from a checkpoint up to --steps (any mesh; same --layers)",
+    )
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -142,6 +151,8 @@ def resolve(args: argparse.Namespace) -> DemoOptions:
         lr=float(args.lr),
         seed=args.seed,
         layers=args.layers,
+        save=args.save,
+        resume=args.resume,
     )
 
 
@@ -160,4 +171,5 @@ def to_argv(opts: DemoOptions) -> list[str]:
         ("--seed", opts.seed),
         ("--layers", opts.layers),
     )
-    return [str(x) for pair in pairs for x in pair]
+    optional = [(flag, v) for flag, v in (("--save", opts.save), ("--resume", opts.resume)) if v]
+    return [str(x) for pair in [*pairs, *optional] for x in pair]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import meshpipe
+from meshpipe import checkpoint
 from meshpipe.demo.gpt import GPT, GPTConfig, gpt_stages, token_loss
 from meshpipe.demo.measure import Row, StepStats, mean_bubble, record_cost, step_stats
 from meshpipe.demo.options import START_ENV, DemoOptions, add_demo_args, resolve
@@ -92,13 +93,27 @@ def _live_bubble(job: _Job, rows: Sequence[Row]) -> float:
     return mean_bubble(by_replica)
 
 
+def _resume(job: _Job, opts: DemoOptions) -> int:
+    """Load ``--resume`` (weights, AdamW, RNG) and skip the batches already seen: the last step."""
+    if opts.resume is None:
+        return 0
+    extra = checkpoint.load(job.pipe, opts.resume, optimizer=job.optimizer)
+    done = int(extra["step"])
+    if done >= opts.steps:
+        raise ValueError(f"{opts.resume} is at step {done}; pass --steps larger than that")
+    checkpoint.set_rng_state(extra["rng"])
+    for _ in range(done):
+        job.batches.next()
+    return done
+
+
 def _train(
-    job: _Job, opts: DemoOptions, progress: Progress | None
+    job: _Job, opts: DemoOptions, progress: Progress | None, done: int = 0
 ) -> tuple[list[float], list[float], list[list[Row]]]:
     losses: list[float] = []
     seconds: list[float] = []
     steps: list[list[Row]] = []
-    for step in range(1, opts.steps + 1):
+    for step in range(done + 1, opts.steps + 1):
         x, y = job.batches.next()  # (batch, block) token ids, y shifted by one
         t0 = time.perf_counter()
         loss = job.pipe.step(x.to(job.device), target=y.to(job.device))
@@ -121,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     job = _build(opts)
+    done = _resume(job, opts)
     rank = dist.get_rank()
     started = float(os.environ.get(START_ENV, "0") or 0)
     startup = time.time() - started if started else 0.0
@@ -134,7 +150,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             flush=True,
         )
         progress = Progress(opts.steps)
-    losses, seconds, steps = _train(job, opts, progress)
+    losses, seconds, steps = _train(job, opts, progress, done)
+    if opts.save is not None:
+        extra = {"step": opts.steps, "rng": checkpoint.rng_state()}
+        checkpoint.save(job.pipe, opts.save, optimizer=job.optimizer, extra=extra)
     job.pipe.save_trace(os.path.join(opts.out, "trace.json"))  # collective: rank 0 writes
     coords = job.coords[rank]
     mine = RankRun(rank, coords[0], coords[1], steps)
