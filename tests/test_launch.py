@@ -20,18 +20,24 @@ LAUNCH = [sys.executable, "-m", "meshpipe.cli", "launch"]
 
 # Ranks of these scripts import no torch, so they start in a fraction of a second.
 ENV_SCRIPT = """
-import os, sys
+import os, sys, time
 rank = os.environ["RANK"]
 keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS"]
 with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as fh:
     fh.write(" ".join(os.environ[k] for k in keys) + " " + " ".join(sys.argv[2:]))
 if sys.argv[2] == "fail" and rank == "1":
+    # fail only once rank 0 has finished and said so, so that the test can check both
+    done = os.path.join(os.environ["MESHPIPE_STATUS_DIR"], "rank-0.json")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.exit(3)  # EXIT
 """
 
 SLEEP_SCRIPT = """
 import os, sys, time
-open(os.path.join(sys.argv[1], "started-" + os.environ["RANK"]), "w").close()
+with open(os.path.join(sys.argv[1], "started-" + os.environ["RANK"]), "w") as fh:
+    fh.write(str(os.getpid()))
 time.sleep(120)
 """
 
@@ -84,21 +90,16 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(120)
 def test_ranks_get_torchrun_env_and_failures_are_reported(tmp_path: Path) -> None:
     script = _script(tmp_path, "env.py", ENV_SCRIPT)
-    ok = _run([*LAUNCH, "-n", "2", str(script), str(tmp_path), "ok", "--flag"], 60)
-    assert ok.returncode == 0, ok.stderr
+    proc = _run([*LAUNCH, "-n", "2", str(script), str(tmp_path), "fail", "--flag"], 60)
     for rank in (0, 1):
         fields = (tmp_path / f"rank{rank}.txt").read_text().split()
-        assert fields == [str(rank), "2", str(rank), "127.0.0.1", "1", "ok", "--flag"]
-
-    bad = _run([*LAUNCH, "-n", "2", str(script), str(tmp_path), "fail"], 60)
-    assert bad.returncode == 3, bad.stderr
-    assert "the job failed (exit 3)" in bad.stderr
+        assert fields == [str(rank), "2", str(rank), "127.0.0.1", "1", "fail", "--flag"]
+    assert proc.returncode == 3, proc.stderr  # the failing rank's exit code
+    assert "the job failed (exit 3)" in proc.stderr
     exit_line = _line(ENV_SCRIPT, "# EXIT")
-    assert (
-        f"global rank 1 FAILED outside a pipeline; at env.py:{exit_line} in <module>: SystemExit: 3"
-        in (bad.stderr)
-    )
-    assert "global rank 0 finished its script" in bad.stderr
+    expected = f"global rank 1 FAILED outside a pipeline; at env.py:{exit_line} in <module>"
+    assert f"{expected}: SystemExit: 3" in proc.stderr
+    assert "global rank 0 finished its script" in proc.stderr
 
 
 @pytest.mark.timeout(120)
@@ -143,6 +144,10 @@ def test_ctrl_c_stops_every_rank_and_says_where_they_were(tmp_path: Path) -> Non
             proc.kill()
     assert proc.returncode == 130, err
     assert "the job interrupted" in err
+    for rank in (0, 1):  # every rank is gone
+        pid = int((tmp_path / f"started-{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     for rank in (0, 1):
         where = f"sleeper.py:{_line(SLEEP_SCRIPT, 'sleep(')} in <module>"
         assert f"global rank {rank} stopped while outside a pipeline; at {where}" in err
