@@ -41,7 +41,8 @@ def get_schedule(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be an int >= 1, got {value!r}")
     if stages_per_rank is not None and (
-        isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int)
+        isinstance(stages_per_rank, bool)
+        or not isinstance(stages_per_rank, int)
         or stages_per_rank < 1
     ):
         raise ValueError(f"stages_per_rank must be an int >= 1 or None, got {stages_per_rank!r}")
