@@ -1,0 +1,84 @@
+"""Pipeline a Hugging Face model you did not write: split it by name, built on the meta device.
+
+    meshpipe launch -n 2 examples/split_llama.py
+    torchrun --nproc-per-node 4 examples/split_llama.py --layers 8
+
+Needs `pip install transformers`; the model is a small random-weight Llama (no download).
+The model is built under torch.device("meta"), so no rank ever holds all of it: Pipeline
+traces it on the first step (torch.export on meta tensors), cuts the graph before the
+chosen layers, and each rank allocates and initialises only its own stages with the
+model's own init function. Parameter names stay those of `model.named_parameters()`.
+"""
+
+import argparse
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+import meshpipe
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--layers", type=int, default=4)
+parser.add_argument("--schedule", default="1f1b")
+parser.add_argument("--microbatches", type=int, default=4)
+parser.add_argument("--steps", type=int, default=5)
+args = parser.parse_args()
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+pp = int(os.environ.get("WORLD_SIZE", "1"))
+mesh = meshpipe.init_mesh(pp=pp)
+config = LlamaConfig(
+    num_hidden_layers=args.layers,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+with torch.device("meta"):  # nothing allocated: shapes only
+    model = LlamaForCausalLM(config)
+
+schedule = meshpipe.get_schedule(args.schedule, pp, args.microbatches)
+# one stage per `num_stages`: begin stage k at layer k * layers / num_stages
+n = schedule.num_stages
+points = [f"model.layers.{k * args.layers // n}" for k in range(1, n)]
+
+
+def loss_fn(out, target):  # out: CausalLMOutputWithPast of the last stage's microbatch
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+pipe = meshpipe.Pipeline(
+    model,
+    mesh,
+    schedule=schedule,
+    loss_fn=loss_fn,
+    split_points=points,
+    init_fn=model._init_weights,  # how Hugging Face initialises each module
+)
+
+torch.manual_seed(0)  # same data on every rank: step() is called identically everywhere
+ids = torch.randint(0, config.vocab_size, (8, 16))  # (batch, seq)
+mask = torch.ones_like(ids)
+mask[:, :3] = 0  # left padding
+target = ids.roll(-1, dims=1)
+opt = None
+for step in range(args.steps):
+    loss = pipe.step(ids, target=target, attention_mask=mask)  # first step splits the model
+    if opt is None:  # parameters exist once the model is split
+        opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
+    opt.step()
+    opt.zero_grad()
+    local = sum(p.numel() for p in pipe.parameters())
+    if mesh.get_local_rank("pp") == 0:
+        print(f"step {step}  loss {loss.item():.4f}  parameters on pp rank 0: {local}")
+names = [name for name, _ in pipe.named_parameters()]
+print(f"pp rank {mesh.get_local_rank('pp')}: {names[0]} ... {names[-1]}")
