@@ -64,6 +64,24 @@ def _local_save_state(
     return state, info
 
 
+def _agree(infos: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
+    """Check what every process brought to save; the merged optimizer record (or None)."""
+    raise_gathered(infos, f"save to {path}", path)
+    paths = sorted({i["path"] for i in infos})
+    if len(paths) > 1:
+        raise CheckpointError(f"processes passed different paths: {paths}", path=path)
+    with_optim = [i["optim"] is not None for i in infos]
+    if not any(with_optim):
+        return None
+    if not all(with_optim):
+        raise CheckpointError(
+            f"an optimizer was passed on ranks {[r for r, w in enumerate(with_optim) if w]} "
+            "only; pass it on every rank or on none",
+            path=path,
+        )
+    return merge_optim_json([i["optim"] for i in infos])
+
+
 def save(
     pipe: Any,
     path: str | os.PathLike[str],
@@ -91,17 +109,7 @@ def save(
     except (CheckpointError, OSError) as e:
         info["error"] = str(e)
     infos = t.all_gather(info)
-    raise_gathered(infos, f"save to {path}", path)
-    if len({i["path"] for i in infos}) > 1:
-        raise CheckpointError(
-            f"processes passed different paths: {sorted({i['path'] for i in infos})}"
-        )
-    with_optim = [i["optim"] is not None for i in infos]
-    if any(with_optim) and not all(with_optim):
-        raise CheckpointError(
-            f"an optimizer was passed on ranks {[r for r, w in enumerate(with_optim) if w]} "
-            "only; pass it on every rank or on none"
-        )
+    optim_record = _agree(infos, path)  # the same checks, and result, on every process
     staged = atomic.staging_dir(path, infos[0]["token"])
     writer = FileSystemWriter(staged, single_file_per_rank=True, sync_files=True, overwrite=False)
     with _quiet_single_process():
@@ -116,9 +124,7 @@ def save(
                 "version": VERSION,
                 "torch": torch.__version__,
                 "layout": t.layout,
-                "optimizer": merge_optim_json([i["optim"] for i in infos])
-                if all(with_optim)
-                else None,
+                "optimizer": optim_record,
                 "extra": {str(r): i["extra"] for r, i in enumerate(infos)},
             }
             atomic.write_json(os.path.join(staged, atomic.MARKER), record)

@@ -23,7 +23,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _encode_tensor(t: torch.Tensor, where: str) -> dict[str, Any]:
     if t.layout is not torch.strided or t.is_quantized or t.is_complex():
-        raise CheckpointError(f"extra{where}: only dense real tensors can be stored, got {t!r}")
+        raise CheckpointError(f"{where}: only dense real tensors can be stored, got {t!r}")
     cpu = t.detach().to("cpu").contiguous()
     raw = ctypes.string_at(cpu.data_ptr(), cpu.numel() * cpu.element_size())
     return {
@@ -35,8 +35,11 @@ def _encode_tensor(t: torch.Tensor, where: str) -> dict[str, Any]:
     }
 
 
-def encode(value: Any, where: str = "") -> Any:
-    """A JSON-able copy of ``value``; tensors and tuples are tagged so decode restores them."""
+def encode(value: Any, where: str = "extra") -> Any:
+    """A JSON-able copy of ``value``; tensors and tuples are tagged so decode restores them.
+
+    ``where`` names ``value`` in errors (``extra['rng']['torch']``).
+    """
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
@@ -49,14 +52,14 @@ def encode(value: Any, where: str = "") -> Any:
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise CheckpointError(f"extra{where}: keys must be str, got {k!r}")
+                raise CheckpointError(f"{where}: keys must be str, got {k!r}")
             if k in (_TENSOR, _TUPLE):
-                raise CheckpointError(f"extra{where}: the key {k!r} is reserved")
+                raise CheckpointError(f"{where}: the key {k!r} is reserved")
             out[k] = encode(v, f"{where}[{k!r}]")
         return out
     raise CheckpointError(
-        f"extra{where} is a {type(value).__name__}; extra holds only JSON values (None, bool, "
-        "int, float, str, list, tuple, dict with str keys) and tensors"
+        f"{where} is a {type(value).__name__}; only JSON values (None, bool, int, float, str, "
+        "list, tuple, dict with str keys) and tensors can be stored"
     )
 
 

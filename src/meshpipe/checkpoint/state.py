@@ -87,7 +87,7 @@ def _group_params(
     optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, nn.Parameter]]
 ) -> list[list[tuple[str, torch.Tensor]]]:
     names = _names(named_params)
-    groups = []
+    groups: list[list[tuple[str, torch.Tensor]]] = []
     for i, group in enumerate(optimizer.param_groups):
         named = []
         for j, p in enumerate(group["params"]):
@@ -107,12 +107,12 @@ def optimizer_state(
     """DCP tensors and the JSON part (class, hyperparameters, non-tensor state) by name."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    groups = []
+    groups: list[dict[str, Any]] = []
     for group, named in zip(optimizer.param_groups, _group_params(optimizer, named_params)):
         hparams = {k: v for k, v in group.items() if k != "params"}
         groups.append(
             {
-                "hparams": encode(hparams, "[optimizer hyperparameters]"),
+                "hparams": encode(hparams, f"optimizer param_groups[{len(groups)}]"),
                 "params": [n for n, _ in named],
             }
         )
@@ -125,7 +125,7 @@ def optimizer_state(
                 if isinstance(value, torch.Tensor):
                     tensors[f"{OPTIM}{name}.{key}"] = value
                 else:
-                    scalars.setdefault(name, {})[key] = encode(value, f"[optimizer state {name}]")
+                    scalars.setdefault(name, {})[key] = encode(value, f"optimizer state[{name!r}]")
     return tensors, {"class": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
 
 
