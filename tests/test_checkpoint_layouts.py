@@ -56,6 +56,28 @@ def model(seed: int, num: int = 8) -> nn.Sequential:
     return nn.Sequential(*[DropBlock() for _ in range(num)])
 
 
+class TiedLM(nn.Module):
+    """Embedding tied to the head: meshpipe.split puts the weight on the first and last stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(11, D)
+        self.blocks = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+        self.head = nn.Linear(D, 11, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def tied_lm(seed: int) -> TiedLM:
+    torch.manual_seed(seed)
+    return TiedLM()
+
+
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, y)
 
@@ -181,11 +203,28 @@ def _train(root: str) -> dict[str, Any]:
     )
     ck.export(pipe, os.path.join(root, "pp2.safetensors"))
     return {
+        "tied": _tied_split(mesh, root),
         "straight": straight,
         "first": first,
         "init": init.state_dict() if rank == 0 else {},
         **snapshot(pipe, opt),
     }
+
+
+def _tied_split(mesh: Any, root: str) -> dict[str, Any]:
+    """A whole model split by meshpipe.split (traced), tied weights on two ranks: save, export."""
+    pipe = meshpipe.Pipeline(
+        tied_lm(0), mesh, schedule="1f1b", num_microbatches=2, split_points=["blocks.2"],
+        loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 11, (4, 5), generator=g)
+    pipe.step(ids, target=torch.randint(0, 11, (4, 5), generator=g))  # the first call splits
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.1)
+    opt.step()
+    ck.save(pipe, os.path.join(root, "tied"), optimizer=opt)
+    ck.export(pipe, os.path.join(root, "tied.safetensors"))
+    return {"stage": type(pipe.stages[0]).__name__, "params": local_state(pipe)}
 
 
 def _resume(root: str) -> dict[str, Any]:
@@ -433,6 +472,28 @@ def test_export_equals_reference_state_dict(trained: list[dict[str, Any]], root:
     assert_same_params(dict(fresh.state_dict()), reference)
     fresh.load_state_dict(load_file(root / "pp2.safetensors"))
     assert_same_params(dict(fresh.state_dict()), union(trained, "", "params"))
+
+
+def test_split_model_with_tied_weights_loads_unsplit(
+    trained: list[dict[str, Any]], root: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    tied = [r["tied"] for r in trained]
+    assert {r["stage"] for r in tied} == {"GraphStage"}  # split by tracing
+    want = union(tied, "", "params")
+    assert torch.equal(want["wte.weight"], want["head.weight"])
+    for t in tied:  # the copies on both ranks stayed equal
+        assert torch.equal(t["params"]["wte.weight"], want["wte.weight"])
+    plain = tied_lm(seed=9)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1.0)
+    ck.load(plain, root / "tied", optimizer=opt)  # strict: every key of the unsplit model
+    assert plain.head.weight is plain.wte.weight
+    assert_same_params(dict(plain.state_dict()), want)
+    assert opt.param_groups[0]["lr"] == 0.1 and len(opt.state) == len(list(plain.parameters()))
+    exported = tied_lm(seed=8)
+    exported.load_state_dict(load_file(root / "tied.safetensors"))
+    assert_same_params(dict(exported.state_dict()), want)
 
 
 def test_load_on_pp2_dp2_and_replicas_write_once(
