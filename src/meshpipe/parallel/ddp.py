@@ -8,6 +8,7 @@ weights) does not fire, so meshpipe launches the same bucketed all-reduce itself
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -44,12 +45,13 @@ class GradSync:
             self._flat.append((flat, group))
         self._work = works
 
-    def finish(self) -> None:
-        """Wait for the all-reduce and point each gradient at its slice of the result."""
+    def finish(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for the all-reduce and point each gradient at
+        its slice of the result."""
         if self._work is None:
             return
         for w in self._work:
-            w.wait()
+            w.wait(timeout=datetime.timedelta(seconds=timeout))
         for flat, group in self._flat:
             offset = 0
             for p in group:

@@ -32,6 +32,7 @@ class RankStatus:
 
     action: Action | None = None
     waiting_for: int | None = None
+    phase: str = "idle"  # "pipeline" (running actions), "reduce" (end-of-step reductions)
 
 
 @dataclass(frozen=True)

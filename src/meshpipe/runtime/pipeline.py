@@ -141,8 +141,12 @@ class Pipeline:
             return
         topo, sched = self.topology, self.schedule
         local = sched.stages_of(topo.pp_rank)
+        mbs = split_microbatches(args, kwargs, None, sched.num_microbatches, self.chunk_spec)
+        first = (mbs.args[0], mbs.kwargs[0])  # the example for a static-shape export
         self._build_runners(
-            whole.build(args, kwargs, local, sched.placement, self.mesh, self._pp_axis, topo.device)
+            whole.build(
+                args, kwargs, local, sched.placement, self.mesh, self._pp_axis, topo.device, first
+            )
         )
 
     def _resolve_schedule(
@@ -261,6 +265,7 @@ class Pipeline:
             "pp_rank": topo.pp_rank,
             "coords": dict(topo.coords),
             "step": self._steps,
+            "phase": st.phase,
             "action": None if st.action is None else str(st.action),
             "mb": None if st.action is None else st.action.mb,
             "waiting_for_pp_rank": peer,
@@ -346,7 +351,7 @@ class Pipeline:
         for r in self._runners.values():
             r.reset()
         comm, _ = self._comm(schedule)
-        self._status = RankStatus()
+        self._status = RankStatus(phase="pipeline")
         hooks = self._spmd.hooks(schedule, self.topology.pp_rank) if training else None
         if training:
             self._spmd.begin_step()
@@ -369,8 +374,6 @@ class Pipeline:
             log.error("meshpipe-status %s", json.dumps(report))
             e.meshpipe_status = report  # type: ignore[attr-defined]
             raise
-        finally:
-            self._steps += 1
         return dict(losses)
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -386,7 +389,24 @@ class Pipeline:
         for p in params:
             p.grad = None
         losses = self._run(self.schedule, args, kwargs, target, training=True)
-        factor = self._spmd.finish_step()
+        self._status.phase = "reduce"
+        try:
+            loss = self._reduce(losses, params)
+        except BaseException as e:
+            report = self.status()
+            log.error("meshpipe-status %s", json.dumps(report))
+            e.meshpipe_status = report  # type: ignore[attr-defined]
+            raise
+        for p, old in zip(params, stash):
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+        self._status.phase = "idle"
+        self._steps += 1
+        return torch.tensor(loss)
+
+    def _reduce(self, losses: dict[int, Any], params: list[nn.Parameter]) -> float:
+        """End of step: the loss agreed over pp and dp, gradients reduced and scaled."""
+        factor = self._spmd.finish_step(self.timeout)
         topo = self.topology
         last_rank = self.schedule.placement[-1]
         loss, scale, _ = reduce_loss(
@@ -395,23 +415,23 @@ class Pipeline:
             topo.pp_global_ranks[last_rank],
             topo.pp_group,
             topo.dp_group,
+            timeout=self.timeout,
         )
         if self._spmd.grads_summed_elsewhere:
             reduce_grads(params, scale * factor, None)
         else:
-            reduce_grads(params, scale, topo.dp_group)
+            reduce_grads(params, scale, topo.dp_group, timeout=self.timeout)
         if self._whole is not None:
             self._whole.sync_grads()  # tied weights: sum over the stages holding them
-        for p, old in zip(params, stash):
-            if old is not None:
-                p.grad = old if p.grad is None else p.grad.add_(old)
-        return torch.tensor(loss)
+        return loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""
         self._check_batch(args, None, training=False)
         self._ensure_split(args, kwargs)
         self._run(self._infer, args, kwargs, None, training=False)
+        self._status.phase = "idle"
+        self._steps += 1
         if not self.holds_last_stage:
             return None
         runner = self._runners[self.schedule.num_stages - 1]

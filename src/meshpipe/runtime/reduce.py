@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from meshpipe.errors import CommTimeoutError
 from meshpipe.runtime.stage import LossRecord
 
 __all__ = ["reduce_loss", "reduce_grads"]
@@ -18,6 +21,7 @@ def reduce_loss(
     last_stage_global_rank: int,
     pp_group: dist.ProcessGroup,
     dp_group: dist.ProcessGroup | None,
+    timeout: float = 300.0,
 ) -> tuple[float, float, bool]:
     """(loss, gradient scale, is_pair) identical on every rank.
 
@@ -32,11 +36,19 @@ def reduce_loss(
         buf[1] = sum(r.count or 0.0 for r in records.values())
         buf[2] = 1.0 if pair else 0.0
     if dist.get_world_size(pp_group) > 1:
-        dist.broadcast(buf, src=last_stage_global_rank, group=pp_group)
+        _wait(
+            dist.broadcast(buf, src=last_stage_global_rank, group=pp_group, async_op=True),
+            timeout,
+            "the loss broadcast over pp",
+        )
     dp_size = 1
     if dp_group is not None:
         dp_size = dist.get_world_size(dp_group)
-        dist.all_reduce(buf, group=dp_group)
+        _wait(
+            dist.all_reduce(buf, group=dp_group, async_op=True),
+            timeout,
+            "the loss all-reduce over dp",
+        )
         buf[2] /= dp_size
     is_pair = bool(buf[2] > 0.5)
     if is_pair:
@@ -47,8 +59,20 @@ def reduce_loss(
     return float(buf[0]) / dp_size, 1.0 / dp_size, False
 
 
+def _wait(work: Any, timeout: float, what: str) -> None:
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise CommTimeoutError(f"{what} did not finish in {timeout:.1f}s") from e
+        raise
+
+
 def reduce_grads(
-    params: Sequence[torch.Tensor], scale: float, dp_group: dist.ProcessGroup | None
+    params: Sequence[torch.Tensor],
+    scale: float,
+    dp_group: dist.ProcessGroup | None,
+    timeout: float = 300.0,
 ) -> None:
     """Sum gradients over dp in one coalesced all-reduce, then multiply by ``scale``."""
     if dp_group is not None and params:
@@ -58,7 +82,11 @@ def reduce_grads(
         for group in by_dtype.values():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=dp_group)
+            _wait(
+                dist.all_reduce(flat, group=dp_group, async_op=True),
+                timeout,
+                "the gradient all-reduce over dp",
+            )
             offset = 0
             for p in group:
                 n = p.numel()

@@ -102,11 +102,11 @@ class Spmd:
                 out[action] = _bind_reduce(self._fsdp[stage])
         return out
 
-    def finish_step(self) -> float:
+    def finish_step(self, timeout: float) -> float:
         """Wait for replica reductions; returns the factor the reduced grads still need
         relative to a plain sum over dp (FSDP2 averages, so it needs ``dp_size``)."""
         for sync in self._syncs.values():
-            sync.finish()
+            sync.finish(timeout)
         return float(self.topo.dp_size) if self._fsdp else 1.0
 
     @property
