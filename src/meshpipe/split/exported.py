@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshpipe.errors import SplitError
-from meshpipe.split.graph import StageGraph, export_model, plan_stages
+from meshpipe.split.graph import Example, StageGraph, export_model, plan_stages
 from meshpipe.split.module import GraphStage, attach_tensors
 
 __all__ = ["split_exported"]
@@ -78,8 +78,10 @@ def split_exported(
     points: Sequence[str],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    static_example: Example | None = None,
 ) -> list[GraphStage]:
-    """Split ``model`` at ``points`` by exporting it on the example inputs."""
+    """Split ``model`` at ``points`` by exporting it on the example inputs (and, should a
+    dynamic-shape export fail, with static shapes on ``static_example``)."""
     if not args and not kwargs:
         raise SplitError(
             f"splitting {type(model).__name__} needs tracing, so it needs example inputs: "
@@ -88,7 +90,11 @@ def split_exported(
     device = _export_device(model, args, kwargs)
     if device.type == "meta":  # trace a meta model on meta copies of the inputs
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
-    ep = export_model(model, args, kwargs)
+        if static_example is not None:
+            static_example = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(device), static_example
+            )
+    ep = export_model(model, args, kwargs, static_example)
     graphs = plan_stages(ep, points)
     wanted = _canonical(model, graphs)
     in_spec = ep.call_spec.in_spec

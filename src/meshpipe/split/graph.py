@@ -82,23 +82,41 @@ def _dynamic_shapes(
     return {name: spec(value) for name, value in bound.arguments.items()}
 
 
+Example = tuple[tuple[Any, ...], dict[str, Any]]
+
+
 def export_model(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    static_example: Example | None = None,
 ) -> ExportedProgram:
     """``torch.export`` the model (non-strict, every input dim dynamic where it can be).
 
-    Raises SplitError naming the construct that failed, with the other routes to take.
+    If that fails, exports with static shapes on ``static_example`` (default: the same
+    inputs); later calls must then have those shapes. Raises SplitError naming the
+    construct that failed, with the other routes to take.
     """
     dynamic = _dynamic_shapes(model, args, kwargs)
+    tries: list[tuple[Any, Example]] = [(None, static_example or (args, kwargs))]
+    if dynamic is not None:
+        tries.insert(0, (dynamic, (args, kwargs)))
     errors: list[BaseException] = []
-    for shapes in [dynamic, None] if dynamic is not None else [None]:
+    for shapes, (a, kw) in tries:
         try:
-            return torch.export.export(
-                model, tuple(args), dict(kwargs), dynamic_shapes=shapes, strict=False
-            )
+            ep = torch.export.export(model, tuple(a), dict(kw), dynamic_shapes=shapes, strict=False)
         except Exception as e:  # export raises many types; all mean the same thing here
             errors.append(e)
             log.debug("torch.export with dynamic_shapes=%s failed: %s", shapes, e)
+            continue
+        if shapes is None and dynamic is not None:
+            log.warning(
+                "exported %s with static shapes (dynamic shapes failed: %s); inputs must keep "
+                "the example's shapes",
+                type(model).__name__,
+                errors[0],
+            )
+        return ep
     first = errors[0]
     detail = str(first).strip().splitlines()
     summary = detail[0] if detail else type(first).__name__

@@ -13,6 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import SplitError
 from meshpipe.split.api import needs_tracing, resolve_points, split
+from meshpipe.split.exported import split_exported
+from meshpipe.split.graph import Example
 from meshpipe.split.materialize import has_meta, materialize
 from meshpipe.split.tied import TiedWeights, find_tied
 
@@ -68,11 +70,15 @@ class WholeModel:
         mesh: DeviceMesh,
         pp_axis: str,
         device: torch.device,
+        microbatch: Example | None = None,
     ) -> list[nn.Module]:
-        """All stage modules, this rank's (``local``) materialised on ``device``; collective."""
+        """All stage modules, this rank's (``local``) materialised on ``device``; collective.
+
+        ``args``/``kwargs`` (the whole batch) are the example for a dynamic-shape export;
+        ``microbatch`` (the first one) for the static-shape fallback."""
         if self.stages is None:
-            self.stages = split(
-                self.model, points=self.points, example_args=args, example_kwargs=kwargs
+            self.stages = list(
+                split_exported(self.model, self.points, args, kwargs, static_example=microbatch)
             )
         stages = self.stages
         tied = find_tied(stages)  # before materialising: the same answer on every rank
