@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -52,7 +53,9 @@ def _worker(
 
     torch.set_num_threads(threads)
     try:
-        value = fn(*args)
+        # pickled here, by value: a tensor put on the queue directly would travel through
+        # shared memory that disappears when this process exits before the parent reads it
+        value = pickle.dumps(fn(*args))
         results.put((rank, True, value))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -111,7 +114,10 @@ def run_on_ranks(
                 for r in dead:
                     errors[r] = f"rank {r} exited with code {procs[r].exitcode} before reporting"
                 continue
-            (values if ok else errors)[rank] = value
+            if ok:
+                values[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
             if errors and all(
                 not p.is_alive() for r, p in enumerate(procs) if r not in values and r not in errors
             ):
