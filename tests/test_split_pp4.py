@@ -102,9 +102,23 @@ def _sequential_case(mesh: Any) -> dict[str, Any]:
     }
 
 
+def _refused(mesh: Any) -> list[str]:
+    """Bad points fail at construction, before any communication, the same on every rank."""
+    import split_models as sm
+
+    messages = []
+    for points in (["blocks.9", "blocks.2", "blocks.3"], ["blocks.1", "gate"]):
+        try:
+            meshpipe.Pipeline(sm.Skip(), mesh, "1f1b", 4, loss_fn=mse, split_points=points)
+        except meshpipe.SplitError as e:
+            messages.append(str(e))
+    return messages
+
+
 def _all_cases() -> dict[str, Any]:
     mesh = meshpipe.init_mesh(pp=4)
     return {
+        "refused": _refused(mesh),
         "skip": _skip_case(mesh),
         "meta": _meta_case(mesh),
         "sequential": _sequential_case(mesh),
@@ -136,6 +150,14 @@ def test_meta_model_materialises_a_quarter_per_rank(results: list[dict[str, Any]
         r = res["meta"]
         assert r["local_bytes"] * 4 == r["total_bytes"]
         assert r["other_bytes_still_meta"] == r["total_bytes"] - r["local_bytes"]
+
+
+def test_bad_points_refused_identically_at_construction(results: list[dict[str, Any]]) -> None:
+    messages = results[0]["refused"]
+    assert len(messages) == 2
+    assert "'blocks.9' names no submodule" in messages[0]
+    assert "num_stages=4 but 2 points make 3 stages" in messages[1]
+    assert all(res["refused"] == messages for res in results)
 
 
 def test_sequential_split_by_points(results: list[dict[str, Any]]) -> None:

@@ -296,27 +296,32 @@ def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def _stage_nodes(
+    ep: ExportedProgram, plan: _Plan, sources: dict[str, Source], s: int
+) -> tuple[list[fx.Node], list[fx.Node], list[Any], list[fx.Node]]:
+    """Stage ``s``'s nodes (own and replicated, in graph order), the values it receives,
+    the values it returns, and the model inputs it reads."""
+    is_last = s == len(plan.sends)
+    incoming = plan.sends[s - 1] if s > 0 else []
+    outgoing: list[Any] = plan.outputs if is_last else plan.sends[s]
+    out_nodes = [v for v in outgoing if isinstance(v, fx.Node)]
+    own = [n for n in plan.stage_of if plan.stage_of[n] == s]
+    roots = own + [v for v in out_nodes if v in plan.replicated]
+    mine = set(roots) | _closure(roots, plan.replicated)
+    body = [n for n in ep.graph.nodes if n in mine]
+    inputs = {
+        a
+        for n in [*body, *out_nodes]
+        for a in ([n] if n.op == "placeholder" else n.all_input_nodes)
+        if a.op == "placeholder" and sources[a.name].kind == "input"
+    }
+    return body, incoming, outgoing, sorted(inputs, key=lambda a: sources[a.name].index)
+
+
 def _stage_graph(
     ep: ExportedProgram, plan: _Plan, sources: dict[str, Source], s: int
 ) -> StageGraph:
-    num_stages = len(plan.sends) + 1
-    is_last = s == num_stages - 1
-    incoming = plan.sends[s - 1] if s > 0 else []
-    outgoing: list[Any] = plan.outputs if is_last else plan.sends[s]
-    own = [n for n in plan.stage_of if plan.stage_of[n] == s]
-    roots = own + [v for v in outgoing if isinstance(v, fx.Node) and v in plan.replicated]
-    mine = set(own) | _closure(roots, plan.replicated)
-    mine |= {v for v in outgoing if isinstance(v, fx.Node) and v in plan.replicated}
-    body = [n for n in ep.graph.nodes if n in mine]  # graph order
-    used_inputs = sorted(
-        {
-            a
-            for n in [*body, *[v for v in outgoing if isinstance(v, fx.Node)]]
-            for a in ([n] if n.op == "placeholder" else n.all_input_nodes)
-            if a.op == "placeholder" and sources[a.name].kind == "input"
-        },
-        key=lambda a: sources[a.name].index,
-    )
+    body, incoming, outgoing, used_inputs = _stage_nodes(ep, plan, sources, s)
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(incoming):
