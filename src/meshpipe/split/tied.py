@@ -17,6 +17,12 @@ __all__ = ["find_tied", "TiedWeights"]
 log = logging.getLogger(__name__)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def find_tied(stages: Sequence[nn.Module]) -> list[dict[int, str]]:
     """Parameters held by more than one stage: per shared tensor, stage -> name in that stage."""
     by_id: dict[int, dict[int, str]] = {}
@@ -81,20 +87,26 @@ class TiedWeights:
         with torch.no_grad():
             for g in self._groups:
                 for p in self._params(stages, g):
-                    dist.broadcast(p.data, src=g.src, group=g.group)
+                    dist.broadcast(_local(p.data), src=g.src, group=g.group)
 
     def sync_grads(self, stages: dict[int, nn.Module]) -> None:
-        """Sum each tied parameter's gradient over the copies (one all-reduce per group)."""
-        for g in self._groups:
-            params = self._params(stages, g)
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([t.reshape(-1) for t in grads])
-            dist.all_reduce(flat, group=g.group)
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p).clone()
-                offset += n
+        """Sum each tied parameter's gradient over the copies (one all-reduce per group).
+
+        Sharded (DTensor) gradients are summed shard by shard: the copies of a parameter
+        are sharded alike on every pp rank of a group."""
+        with torch.no_grad():
+            for g in self._groups:
+                params = self._params(stages, g)
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                grads = [_local(p.grad) for p in params if p.grad is not None]
+                flat = torch.cat([t.reshape(-1) for t in grads])
+                dist.all_reduce(flat, group=g.group)
+                offset = 0
+                for t in grads:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def __bool__(self) -> bool:
         return bool(self._groups)
