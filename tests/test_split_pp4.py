@@ -1,12 +1,14 @@
 """Splitting on 4 ranks (pp=4): a skip connection from the first stage to the last, a
 meta-device model materialised a quarter per rank, and a sequential split by points.
 
-One spawn of 4 ranks runs every case; each test checks its own figures.
+GPT-2 with tied embeddings on pp=2 x dp=2 uses the same ranks. One spawn of 4 ranks runs
+every case; each test checks its own figures.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from torch import nn
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import blocks, grad_diff, mse
+from parity import blocks, dp_batch, grad_diff, mse
 
 ATOL = 1e-5
 
@@ -115,14 +117,46 @@ def _refused(mesh: Any) -> list[str]:
     return messages
 
 
+def _tied_dp_case() -> dict[str, Any]:
+    """GPT-2 on pp=2 x dp=2: one tied-weight group per dp replica, gradients averaged too."""
+    import split_models as sm
+
+    mesh = meshpipe.init_mesh(pp=2, dp=2)
+    torch.manual_seed(0)
+    model = sm.gpt2(2)
+    ref = copy.deepcopy(model)
+    ids, mask, target = sm.tokens(batch=8)
+    pipe = meshpipe.Pipeline(
+        model,
+        mesh,
+        "1f1b",
+        num_microbatches=2,
+        loss_fn=sm.lm_loss,
+        split_points=["transformer.h.1"],
+    )
+    loss = pipe.step(
+        dp_batch(ids, mesh), target=dp_batch(target, mesh), attention_mask=dp_batch(mask, mesh)
+    )
+    expected = sm.lm_loss(ref(ids, attention_mask=mask), target)
+    expected.backward()
+    return {
+        "loss": abs(loss.item() - expected.item()),
+        "grad": grad_diff(pipe, ref),
+        "has_tied": "transformer.wte.weight" in dict(pipe.named_parameters()),
+    }
+
+
 def _all_cases() -> dict[str, Any]:
     mesh = meshpipe.init_mesh(pp=4)
-    return {
+    out = {
         "refused": _refused(mesh),
         "skip": _skip_case(mesh),
         "meta": _meta_case(mesh),
         "sequential": _sequential_case(mesh),
     }
+    if importlib.util.find_spec("transformers") is not None:
+        out["tied_dp"] = _tied_dp_case()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +192,13 @@ def test_bad_points_refused_identically_at_construction(results: list[dict[str, 
     assert "'blocks.9' names no submodule" in messages[0]
     assert "num_stages=4 but 2 points make 3 stages" in messages[1]
     assert all(res["refused"] == messages for res in results)
+
+
+def test_tied_weights_with_data_parallel(results: list[dict[str, Any]]) -> None:
+    if "tied_dp" not in results[0]:
+        pytest.skip("transformers not installed")
+    _parity(results, "tied_dp")
+    assert all(res["tied_dp"]["has_tied"] for res in results)
 
 
 def test_sequential_split_by_points(results: list[dict[str, Any]]) -> None:
