@@ -112,4 +112,11 @@ def merge_outputs(outputs: Sequence[Any]) -> Any:
     for i in range(len(flat[0][0])):
         parts = [leaves[i] for leaves, _ in flat]
         merged.append(torch.cat(parts, dim=0) if parts[0].dim() > 0 else torch.stack(parts))
-    return unflatten(merged, spec)
+    out = unflatten(merged, spec)
+    kind = type(outputs[0])
+    if isinstance(out, dict) and kind is not dict and isinstance(outputs[0], dict):
+        try:  # keep a dict subclass such as transformers' ModelOutput (attribute access)
+            return kind(**out)
+        except TypeError:
+            return out
+    return out

@@ -26,6 +26,7 @@ from meshpipe.runtime.topology import Topology
 from meshpipe.schedule.ir import Op, Schedule
 from meshpipe.schedule.registry import get_schedule
 from meshpipe.schedule.validate import validate
+from meshpipe.split.sequential import split_sequential
 from meshpipe.split.whole import WholeModel
 
 __all__ = ["Pipeline"]
@@ -35,20 +36,14 @@ log = logging.getLogger(__name__)
 
 def _split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Module]:
     """Split evenly by layer count; each part keeps the original child names ("3", "4", ...)."""
-    children = list(model.named_children())
-    if len(children) < num_stages:
+    names = [name for name, _ in model.named_children()]
+    if len(names) < num_stages:
         raise PipelineError(
-            f"nn.Sequential has {len(children)} layers, fewer than the {num_stages} stages the "
+            f"nn.Sequential has {len(names)} layers, fewer than the {num_stages} stages the "
             "schedule needs; use fewer stages or pass a list of stage modules"
         )
-    bounds = [round(i * len(children) / num_stages) for i in range(num_stages + 1)]
-    parts: list[nn.Module] = []
-    for a, b in zip(bounds, bounds[1:]):
-        part = nn.Sequential()
-        for name, child in children[a:b]:
-            part.add_module(name, child)
-        parts.append(part)
-    return parts
+    starts = [round(i * len(names) / num_stages) for i in range(1, num_stages)]
+    return split_sequential(model, [names[k] for k in starts])
 
 
 def _inference_schedule(schedule: Schedule) -> Schedule:
@@ -66,9 +61,15 @@ def _inference_schedule(schedule: Schedule) -> Schedule:
 class Pipeline:
     """Runs ``model`` as a pipeline over ``mesh``'s pp axis with ``schedule``.
 
-    ``model`` is a list of stage modules (one per stage of the schedule) or an nn.Sequential
-    (split evenly by layer count). ``schedule`` is a name (``num_microbatches`` required) or
-    a Schedule. Every rank makes the same calls; each rank keeps only its own stages.
+    ``model`` is a list of stage modules (one per stage of the schedule), an nn.Sequential
+    (split evenly by layer count), or any other nn.Module, split by :func:`meshpipe.split`
+    at ``split_points`` (or automatically into the schedule's stages, balancing parameters;
+    traced on the first ``step()``/``forward()`` call's inputs when tracing is needed). A
+    model built on the meta device is materialised stage by stage on the ranks that hold
+    them (``reset_parameters``, or ``init_fn(module)``). ``schedule`` is a name
+    (``num_microbatches`` required) or a Schedule. ``dp``/``tp_plan``/``mp_policy`` set the
+    per-stage SPMD on the mesh's other axes (docs/parallel.md). Every rank makes the same
+    calls; each rank keeps only its own stages.
     """
 
     def __init__(
@@ -216,15 +217,16 @@ class Pipeline:
                 "ask for parameters (e.g. to build the optimizer) after that call"
             )
         seen: set[int] = set()
+        found: list[tuple[str, nn.Parameter]] = []
         for module in self.stages:
             for name, p in module.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield name, p
+                    found.append((name, p))
+        return iter(found)  # not a generator: a pending split raises at the call
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
+        return iter([p for _, p in self.named_parameters()])
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip to a global gradient norm over all stages and shards (pp, dp, tp); returns
