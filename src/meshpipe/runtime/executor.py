@@ -37,22 +37,22 @@ class RankStatus:
 
 @dataclass(frozen=True)
 class CommPlan:
-    """What this rank receives from each peer (in posting order) and how many it sends."""
+    """What this rank receives from and sends to each peer, in posting order."""
 
     recvs: dict[int, list[Transfer]]
-    sends: dict[int, int]
+    sends: dict[int, list[Transfer]]
 
 
 def plan_comm(schedule: Schedule, rank: int) -> CommPlan:
     recvs: dict[int, list[Transfer]] = {}
-    sends: dict[int, int] = {}
+    sends: dict[int, list[Transfer]] = {}
     for a in schedule.actions[rank]:
         r = recv_of(schedule, a)
         if r is not None:
             recvs.setdefault(r[0], []).append(r[1])
         s = send_of(schedule, a)
         if s is not None:
-            sends[s[0]] = sends.get(s[0], 0) + 1
+            sends.setdefault(s[0], []).append(s[1])
     return CommPlan(recvs, sends)
 
 

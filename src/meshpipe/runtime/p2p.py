@@ -1,17 +1,19 @@
 """Point-to-point messages between pipeline ranks: self-describing, ordered, bounded waits.
 
-Every transfer is one fixed-size header (the value's structure, dtypes, shapes and which
-transfer it is) followed by one message per tensor leaf, so receivers need no shapes in
-advance. Per pair of ranks, messages are received in the order they were sent (the
+Every transfer is one packed message (runtime/wire.py: the tensor leaves and a description
+of the value), so receivers need no shapes in advance. Both ends remember the size of the
+last message of each stream (peer, kind, stage pair); while sizes repeat, a transfer is a
+single message; the first one and any size change are preceded by a message that gives the
+new size. Per pair of ranks, messages are received in the order they were sent (the
 schedule guarantees sends and receives are posted in the same order; no tags are used).
 On gloo a thread per peer posts receives ahead of need, so transfers overlap compute.
-A rank that fails sends an error header to every peer still expecting data from it.
+A rank that fails sends an error, in the form its peer expects next, to every peer still
+expecting data from it.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import queue
 import threading
@@ -23,42 +25,30 @@ import torch
 import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
-from meshpipe.runtime.pytree import flatten, unflatten
+from meshpipe.runtime import wire
 from meshpipe.schedule.comm import Transfer
 
-__all__ = ["Comm", "HEADER_BYTES"]
+__all__ = ["Comm", "SizeCache"]
 
 log = logging.getLogger(__name__)
-HEADER_BYTES = 512
-_LEN_BYTES = 4
+
+StreamKey = tuple[int, str, int, int]  # (peer, kind, src stage, dst stage)
 
 
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise PipelineError(f"received unknown dtype {name!r}")
-    return value
+def _key(peer: int, t: Transfer) -> StreamKey:
+    return (peer, t.kind, t.src_stage, t.dst_stage)
 
 
-def _encode(meta: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    body = json.dumps(meta, separators=(",", ":")).encode()
-    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    header[:_LEN_BYTES] = torch.tensor(list(len(body).to_bytes(_LEN_BYTES, "big")))
-    if len(body) <= HEADER_BYTES - _LEN_BYTES:
-        header[_LEN_BYTES : _LEN_BYTES + len(body)] = torch.frombuffer(
-            bytearray(body), dtype=torch.uint8
-        )
-        return header, None
-    return header, torch.frombuffer(bytearray(body), dtype=torch.uint8).clone()
+class SizeCache:
+    """Message sizes last used per stream, kept across steps by both ends alike.
 
+    When a transfer has the size of the stream's previous one (the usual case: shapes repeat)
+    it travels as one message; otherwise the sender first tells the receiver the new size.
+    """
 
-def _body_len(header: torch.Tensor) -> int:
-    return int.from_bytes(bytes(header[:_LEN_BYTES].tolist()), "big")
-
-
-def _decode(raw: torch.Tensor) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(bytes(raw.tolist()).decode())
-    return out
+    def __init__(self) -> None:
+        self.send: dict[StreamKey, int] = {}
+        self.recv: dict[StreamKey, int] = {}
 
 
 class Comm:
@@ -72,7 +62,9 @@ class Comm:
         timeout: float,
         device: torch.device,
         threaded: bool,
+        cache: SizeCache | None = None,
     ) -> None:
+        self.cache = cache if cache is not None else SizeCache()
         self.group = group
         self.global_ranks = list(global_ranks)
         self.rank = rank
@@ -81,16 +73,18 @@ class Comm:
         self.threaded = threaded
         self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
         self._sent: dict[int, int] = {}
-        self._send_expected: dict[int, int] = {}
+        self._send_plan: dict[int, list[Transfer]] = {}
         self._queues: dict[int, queue.Queue[tuple[Transfer | None, Any]]] = {}
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.bytes_sent = 0
 
     # -- lifecycle --------------------------------------------------------------------
-    def begin(self, recv_plan: Mapping[int, list[Transfer]], send_plan: Mapping[int, int]) -> None:
-        """Start a step: ``recv_plan[peer]`` is what arrives from each peer, in order."""
-        self._send_expected = dict(send_plan)
+    def begin(
+        self, recv_plan: Mapping[int, list[Transfer]], send_plan: Mapping[int, list[Transfer]]
+    ) -> None:
+        """Start a step: what arrives from / goes to each peer, in posting order."""
+        self._send_plan = {peer: list(ts) for peer, ts in send_plan.items()}
         self._sent = {}
         self._stop.clear()
         for peer, transfers in recv_plan.items():
@@ -121,16 +115,20 @@ class Comm:
     def abort(self, reason: str) -> None:
         """Tell every peer still expecting messages from this rank that it failed."""
         self._stop.set()
-        for peer, expected in self._send_expected.items():
-            if self._sent.get(peer, 0) < expected:
-                try:
-                    header, extra = _encode({"e": reason, "r": self.rank})
-                    self._post_send(peer, header)
-                    if extra is not None:
-                        self._post_send(peer, extra)
-                except Exception:  # the peer may be gone already; nothing more to do
-                    log.debug("could not notify rank %d of the failure", peer, exc_info=True)
-                self._sent[peer] = expected
+        for peer, planned in self._send_plan.items():
+            done = self._sent.get(peer, 0)
+            if done >= len(planned):
+                continue
+            try:
+                size = self.cache.send.get(_key(peer, planned[done]))
+                fields = {"e": reason, "r": self.rank}
+                if size is None:
+                    self._post_send(peer, wire.make_header(fields, self.device))
+                else:
+                    self._post_send(peer, wire.control_message(size, fields, self.device))
+            except Exception:  # the peer may be gone already; nothing more to do
+                log.debug("could not notify rank %d of the failure", peer, exc_info=True)
+            self._sent[peer] = len(planned)
         self._threads.clear()
         self._queues.clear()
         self._sends.clear()
@@ -138,22 +136,16 @@ class Comm:
     # -- sending ----------------------------------------------------------------------
     def send(self, peer: int, transfer: Transfer, value: Any) -> None:
         """Send ``value`` (a pytree) to pp rank ``peer``; returns without waiting."""
-        leaves, spec = flatten(value)
-        tensors = [t.detach().contiguous() for t in leaves]
-        meta = {
-            "x": [transfer.kind, transfer.src_stage, transfer.dst_stage, transfer.mb],
-            "s": spec,
-            "t": [
-                [str(t.dtype), list(t.shape), bool(leaf.requires_grad)]
-                for t, leaf in zip(tensors, leaves)
-            ],
-        }
-        header, extra = _encode(meta)
-        self._post_send(peer, header.to(self.device))
-        if extra is not None:
-            self._post_send(peer, extra.to(self.device))
-        for t in tensors:
-            self._post_send(peer, t)
+        buf = wire.pack(transfer, value, self.device)
+        key = _key(peer, transfer)
+        size = buf.numel()
+        known = self.cache.send.get(key)
+        if known is None:
+            self._post_send(peer, wire.make_header({"n": size}, self.device))
+        elif known != size:
+            self._post_send(peer, wire.control_message(known, {"n": size}, self.device))
+        self._post_send(peer, buf)
+        self.cache.send[key] = size
         self._sent[peer] = self._sent.get(peer, 0) + 1
 
     def _post_send(self, peer: int, tensor: torch.Tensor) -> None:
@@ -173,7 +165,7 @@ class Comm:
             except queue.Empty:
                 raise self._timeout_error(peer, transfer, doing) from None
         else:
-            got, value = self._receive_one(peer, time.monotonic() + self.timeout)
+            got, value = self._receive_one(peer, transfer, time.monotonic() + self.timeout)
         if isinstance(value, CommTimeoutError):  # the receive thread gave up first
             raise self._timeout_error(peer, transfer, doing) from value
         if isinstance(value, BaseException):
@@ -202,7 +194,7 @@ class Comm:
             if self._stop.is_set():
                 return
             try:
-                item = self._receive_one(peer, time.monotonic() + self.timeout)
+                item = self._receive_one(peer, expected, time.monotonic() + self.timeout)
             except CommTimeoutError:
                 q.put((expected, self._timeout_error(peer, expected, "receive")))
                 return
@@ -213,33 +205,36 @@ class Comm:
             if isinstance(item[1], BaseException):
                 return
 
-    def _receive_one(self, peer: int, deadline: float) -> tuple[Transfer | None, Any]:
-        src = self.global_ranks[peer]
-        header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(header, src=src, group=self.group), deadline, "header", peer)
-        header = header.cpu()
-        n = _body_len(header)
-        if n <= HEADER_BYTES - _LEN_BYTES:
-            meta = _decode(header[_LEN_BYTES : _LEN_BYTES + n])
-        else:
-            raw = torch.empty(n, dtype=torch.uint8, device=self.device)
-            self._wait(dist.irecv(raw, src=src, group=self.group), deadline, "header", peer)
-            meta = _decode(raw.cpu())
+    def _receive_one(
+        self, peer: int, expected: Transfer, deadline: float
+    ) -> tuple[Transfer | None, Any]:
+        key = _key(peer, expected)
+        size = self.cache.recv.get(key)
+        if size is None:
+            header = self._recv_bytes(peer, wire.HEADER_BYTES, deadline)
+            fields = wire.read_header(header)
+            if "e" in fields:
+                return None, self._remote_error(fields)
+            size = int(fields["n"])
+        meta, got, value = wire.unpack(self._recv_bytes(peer, size, deadline))
+        if "n" in meta:  # the size changed: the real message follows
+            size = int(meta["n"])
+            meta, got, value = wire.unpack(self._recv_bytes(peer, size, deadline))
         if "e" in meta:
-            return None, RemoteStageError(
-                f"rank {self.rank} stopped: rank {meta['r']} failed: {meta['e']}"
-            )
-        tensors = [
-            torch.empty(shape, dtype=_dtype(dt), device=self.device) for dt, shape, _ in meta["t"]
-        ]
-        works = [dist.irecv(t, src=src, group=self.group) for t in tensors]
-        for w in works:
-            self._wait(w, deadline, "payload", peer)
-        for t, (_, _, rg) in zip(tensors, meta["t"]):
-            if rg and t.is_floating_point():
-                t.requires_grad_(True)
-        kind, s, d, mb = meta["x"]
-        return Transfer(kind, s, d, mb), unflatten(list(tensors), meta["s"])
+            return None, self._remote_error(meta)
+        self.cache.recv[key] = size
+        return got, value
+
+    def _recv_bytes(self, peer: int, size: int, deadline: float) -> torch.Tensor:
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        work = dist.irecv(buf, src=self.global_ranks[peer], group=self.group)
+        self._wait(work, deadline, "receive", peer)
+        return buf
+
+    def _remote_error(self, fields: dict[str, Any]) -> RemoteStageError:
+        return RemoteStageError(
+            f"rank {self.rank} stopped: rank {fields['r']} failed: {fields['e']}"
+        )
 
     def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
         left = deadline - time.monotonic()

@@ -17,7 +17,7 @@ from meshpipe.errors import PipelineError, ScheduleError
 from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.executor import ActionRecord, CommPlan, RankStatus, plan_comm, run_actions
 from meshpipe.runtime.microbatch import ChunkSpec, merge_outputs, split_microbatches
-from meshpipe.runtime.p2p import Comm
+from meshpipe.runtime.p2p import Comm, SizeCache
 from meshpipe.runtime.pytree import flatten
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss
 from meshpipe.runtime.spmd import Spmd
@@ -121,6 +121,7 @@ class Pipeline:
             self._build_runners(self._stage_modules(model))
         self._infer = _inference_schedule(sched)
         self._plans: dict[int, CommPlan] = {}
+        self._sizes = SizeCache()
         self._records: list[ActionRecord] = []
         self._status = RankStatus()
         self._steps = 0
@@ -337,6 +338,7 @@ class Pipeline:
             self.timeout,
             topo.device,
             threaded=topo.device.type == "cpu",
+            cache=self._sizes,
         )
         comm.begin(plan.recvs, plan.sends)
         return comm, plan
@@ -372,6 +374,7 @@ class Pipeline:
             comm.finish()
         except BaseException as e:
             comm.abort(f"{type(e).__name__}: {e}")
+            self._sizes = SizeCache()  # message sizes are unknown after a broken step
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
             e.meshpipe_status = report  # type: ignore[attr-defined]
