@@ -58,6 +58,8 @@ def pack(transfer: Transfer, value: Any, device: torch.device) -> torch.Tensor:
         ],
     }
     body = _json_bytes(meta)
+    # padded, so microbatch numbers of more digits do not change the message size
+    body = body.ljust(-(-len(body) // 64) * 64)
     buf = torch.empty(end + len(body) + _LEN, dtype=torch.uint8, device=device)
     for t, off in zip(tensors, offsets):
         n = t.numel() * t.element_size()
