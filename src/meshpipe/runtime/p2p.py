@@ -115,6 +115,7 @@ class Comm:
     def abort(self, reason: str) -> None:
         """Tell every peer still expecting messages from this rank that it failed."""
         self._stop.set()
+        notices_from = len(self._sends)
         for peer, planned in self._send_plan.items():
             done = self._sent.get(peer, 0)
             if done >= len(planned):
@@ -129,6 +130,14 @@ class Comm:
             except Exception:  # the peer may be gone already; nothing more to do
                 log.debug("could not notify rank %d of the failure", peer, exc_info=True)
             self._sent[peer] = len(planned)
+        # let the notices leave before this process goes on to exit (bounded: a peer that
+        # is gone too must not hold this rank here)
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        for work, _tensors, peer in self._sends[notices_from:]:
+            try:
+                self._wait(work, deadline, "failure notice", peer)
+            except Exception:  # best effort, as above
+                log.debug("failure notice to rank %d not delivered", peer, exc_info=True)
         self._threads.clear()
         self._queues.clear()
         self._sends.clear()
@@ -247,6 +256,11 @@ class Comm:
         try:
             work.wait(timeout=datetime.timedelta(seconds=left))
         except RuntimeError as e:
+            if "closed by peer" in str(e).lower() or "connection reset" in str(e).lower():
+                raise RemoteStageError(
+                    f"rank {self.rank}: rank {peer} closed the connection during {what}; that "
+                    "rank failed or exited"
+                ) from e
             if "Timed out" in str(e) or "timeout" in str(e).lower():
                 raise CommTimeoutError(
                     f"rank {self.rank}: {what} with rank {peer} not done in {self.timeout:.1f}s",
