@@ -147,6 +147,8 @@ def _all_cases(trace_path: str) -> dict[str, dict[str, float]]:
     out["uneven"] = parity_case(mesh, "1f1b", num_microbatches=3, batch=7)
     if registered("zbh1"):
         out["uneven_zbh1"] = parity_case(mesh, "zbh1", num_microbatches=5, batch=7)
+    # more sends per step than meshpipe keeps in flight: old ones are waited for on the way
+    out["many_microbatches"] = parity_case(mesh, "zbv", num_microbatches=40, batch=80)
     out["fewer_mbs_than_ranks"] = parity_case(mesh, "1f1b", num_microbatches=1, batch=4)
     out["sum_count"] = parity_case(
         mesh, "1f1b", num_microbatches=4, batch=10, loss_fn=sum_count, ref_loss=sum_count_ref
@@ -198,6 +200,7 @@ def test_schedule_parity(results: list[dict[str, dict[str, float]]], schedule: s
     "case",
     [
         "uneven",
+        "many_microbatches",
         "uneven_zbh1",
         "fewer_mbs_than_ranks",
         "sum_count",

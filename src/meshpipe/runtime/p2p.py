@@ -32,6 +32,7 @@ __all__ = ["Comm", "SizeCache"]
 
 log = logging.getLogger(__name__)
 
+_MAX_IN_FLIGHT = 16  # sends kept pending before the oldest is waited for (gloo)
 StreamKey = tuple[int, str, int, int]  # (peer, kind, src stage, dst stage)
 
 
@@ -115,7 +116,7 @@ class Comm:
     def abort(self, reason: str) -> None:
         """Tell every peer still expecting messages from this rank that it failed."""
         self._stop.set()
-        notices_from = len(self._sends)
+        notices: list[tuple[Any, torch.Tensor, int]] = []
         for peer, planned in self._send_plan.items():
             done = self._sent.get(peer, 0)
             if done >= len(planned):
@@ -124,16 +125,18 @@ class Comm:
                 size = self.cache.send.get(_key(peer, planned[done]))
                 fields = {"e": reason, "r": self.rank}
                 if size is None:
-                    self._post_send(peer, wire.make_header(fields, self.device))
+                    msg = wire.make_header(fields, self.device)
                 else:
-                    self._post_send(peer, wire.control_message(size, fields, self.device))
+                    msg = wire.control_message(size, fields, self.device)
+                work = dist.isend(msg, dst=self.global_ranks[peer], group=self.group)
+                notices.append((work, msg, peer))
             except Exception:  # the peer may be gone already; nothing more to do
                 log.debug("could not notify rank %d of the failure", peer, exc_info=True)
             self._sent[peer] = len(planned)
         # let the notices leave before this process goes on to exit (bounded: a peer that
         # is gone too must not hold this rank here)
         deadline = time.monotonic() + min(self.timeout, 10.0)
-        for work, _tensors, peer in self._sends[notices_from:]:
+        for work, _msg, peer in notices:
             try:
                 self._wait(work, deadline, "failure notice", peer)
             except Exception:  # best effort, as above
@@ -161,6 +164,11 @@ class Comm:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         work = dist.isend(tensor, dst=self.global_ranks[peer], group=self.group)
         self._sends.append((work, [tensor], peer))
+        if self.threaded and len(self._sends) > _MAX_IN_FLIGHT:
+            # release sent buffers as the step goes instead of holding all of them to its end;
+            # safe on gloo, where the peers' receive threads post every receive in order
+            old, _, old_peer = self._sends.pop(0)
+            self._wait(old, time.monotonic() + self.timeout, f"send to rank {old_peer}", old_peer)
 
     # -- receiving --------------------------------------------------------------------
     def recv(self, peer: int, transfer: Transfer, doing: str) -> Any:
