@@ -111,6 +111,16 @@ def _bf16_case(mesh: Any) -> dict[str, float]:
     }
 
 
+def _reshard_bytes(mesh: Any) -> dict[str, dict[str, int]]:
+    """zbv gives each stage idle stretches: FSDP2 reshards there and gathers again."""
+    out = {}
+    for label, gap in (("idle_reshard", 2), ("kept_gathered", None)):
+        pipe = meshpipe.Pipeline(blocks(8), mesh, "zbv", 4, mse, dp="fsdp", fsdp_reshard_gap=gap)
+        pipe.step(torch.randn(8, D), target=torch.randn(8, D))
+        out[label] = pipe.comm_stats()
+    return out
+
+
 def _four() -> dict[str, Any]:
     out: dict[str, Any] = {}
     schedules = [s for s in ("1f1b", "zbv") if s in meshpipe.schedule_names()]
@@ -123,6 +133,8 @@ def _four() -> dict[str, Any]:
         out[f"tp-{s}"] = _train_case(tp_mesh, s, None, tp=True)
     out["errors"] = _errors(tp_mesh)
     out["bf16"] = _bf16_case(mesh)
+    if "zbv" in meshpipe.schedule_names():
+        out["reshard_bytes"] = _reshard_bytes(mesh)
     one = meshpipe.init_mesh(pp=4)
     pipe = meshpipe.Pipeline(blocks(4), one, "1f1b", 2, mse, dp="fsdp")  # dp axis of size 1
     out["fsdp_on_size1"] = pipe.step(torch.randn(4, D), target=torch.randn(4, D)).item()
@@ -179,6 +191,16 @@ def test_fsdp_mixed_precision(four: list[dict[str, Any]]) -> None:
     # pp rank 1 (global ranks 2, 3) received its 4 microbatches' activations in bf16
     for res in four[2:]:
         assert res["bf16"]["wire_bf16"] == 1.0 and res["bf16"]["received"] == 4.0
+
+
+def test_fsdp_reshards_idle_stages(four: list[dict[str, Any]]) -> None:
+    if "reshard_bytes" not in four[0]:
+        pytest.skip("zbv not registered")
+    for res in four:
+        idle, kept = res["reshard_bytes"]["idle_reshard"], res["reshard_bytes"]["kept_gathered"]
+        assert kept["dp_bytes"] == kept["dp_bytes_min"]
+        assert idle["dp_bytes"] > idle["dp_bytes_min"], idle  # re-gathers after reshards
+        assert idle["dp_bytes_min"] == kept["dp_bytes_min"]
 
 
 def test_pp_dp_tp_eight_processes() -> None:

@@ -64,11 +64,13 @@ def run_actions(
     comm: Comm,
     training: bool,
     status: RankStatus | None = None,
-    hooks: Mapping[Action, Callable[[], None]] | None = None,
+    hooks: Mapping[Action, list[Callable[[], None]]] | None = None,
+    pre_hooks: Mapping[Action, list[Callable[[], None]]] | None = None,
 ) -> tuple[dict[int, LossRecord], list[ActionRecord]]:
     """Execute this rank's actions in order; returns last-stage loss records and timings.
 
-    ``hooks[action]`` runs right after ``action`` (used to start gradient reductions).
+    ``pre_hooks[action]`` run right before ``action`` and ``hooks[action]`` right after it
+    (gradient reductions, FSDP2 gathers and reshards).
     """
     placement = schedule.placement
     last = schedule.num_stages - 1
@@ -85,6 +87,9 @@ def run_actions(
         st = stages[s]
         t0 = clock()
         status.action = a
+        if pre_hooks and a in pre_hooks:
+            for hook in pre_hooks[a]:
+                hook()
         if a.op is Op.F:
             value: Any = None
             if s == 0:
@@ -129,6 +134,7 @@ def run_actions(
                     comm.send(placement[s - 1], Transfer("grad", s, s - 1, mb), in_grads)
             del g, in_grads
         if hooks and a in hooks:
-            hooks[a]()
+            for hook in hooks[a]:
+                hook()
         records.append(ActionRecord(a, t0, t1, clock()))
     return losses, records

@@ -83,6 +83,7 @@ class Pipeline:
         dp: str | None = None,
         tp_plan: Mapping[str, Any] | None = None,
         mp_policy: Any | None = None,
+        fsdp_reshard_gap: int | None = 2,
         pp_axis: str = "pp",
         dp_axis: str = "dp",
         tp_axis: str = "tp",
@@ -105,7 +106,7 @@ class Pipeline:
                 )
             stages_per_rank = len(model) // topo.pp_size
         self.schedule = self._resolve_schedule(schedule, num_microbatches, stages_per_rank)
-        self._spmd = Spmd(topo, dp, tp_plan, mp_policy)
+        self._spmd = Spmd(topo, dp, tp_plan, mp_policy, fsdp_reshard_gap)
         self.loss_fn = loss_fn
         self.chunk_spec = chunk_spec
         self.timeout = float(timeout)
@@ -356,7 +357,7 @@ class Pipeline:
             r.reset()
         comm, _ = self._comm(schedule)
         self._status = RankStatus(phase="pipeline")
-        hooks = self._spmd.hooks(schedule, self.topology.pp_rank) if training else None
+        before, after = self._spmd.hooks(schedule, self.topology.pp_rank) if training else ({}, {})
         if training:
             self._spmd.begin_step()
         self._comm_now = comm
@@ -369,7 +370,8 @@ class Pipeline:
                 comm,
                 training,
                 status=self._status,
-                hooks=hooks,
+                hooks=after,
+                pre_hooks=before,
             )
             comm.finish()
         except BaseException as e:

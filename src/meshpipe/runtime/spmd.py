@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from meshpipe.errors import PipelineError
@@ -16,14 +15,15 @@ from meshpipe.parallel import (
     apply_tp,
     check_tp_plan,
     fsdp_begin_step,
-    fsdp_reduce,
 )
+from meshpipe.parallel.fsdp_plan import plan_fsdp
 from meshpipe.runtime.topology import Topology
 from meshpipe.schedule.ir import Action, Op, Schedule
 
 __all__ = ["Spmd", "DP_MODES"]
 
 DP_MODES = (None, "ddp", "fsdp")
+Hook = Callable[[], None]
 
 
 class Spmd:
@@ -35,6 +35,7 @@ class Spmd:
         dp: str | None,
         tp_plan: Mapping[str, Any] | None,
         mp_policy: Any | None,
+        reshard_gap: int | None = 2,
     ) -> None:
         if dp not in DP_MODES:
             raise PipelineError(f"dp must be one of {DP_MODES}, got {dp!r}")
@@ -56,6 +57,10 @@ class Spmd:
         self._fsdp: dict[int, Any] = {}
         self.dp_bytes_per_step = 0
         self.dp_bytes_min = 0
+        self._dp_bytes_base = 0
+        self._param_bytes: dict[int, int] = {}
+        # FSDP2: reshard a stage whose next action is at least this many actions away
+        self.reshard_gap = reshard_gap
 
     def check(self, all_stages: Sequence[nn.Module]) -> None:
         """Checks that need every stage (same on every rank, before any communication)."""
@@ -72,7 +77,10 @@ class Spmd:
         if self.dp == "fsdp" and topo.dp_mesh is not None:
             sharded = apply_fsdp(module, topo.dp_mesh, self.mp_policy)
             self._fsdp[stage] = sharded
-            # one all-gather and one reduce-scatter of the stage per step, ring algorithm
+            self._param_bytes[stage] = param_bytes
+            # at least one all-gather and one reduce-scatter of the stage per step (ring);
+            # re-gathers after idle-time reshards are added when the step's hooks are planned
+            self._dp_bytes_base += 2 * param_bytes * (dp - 1) // dp
             self.dp_bytes_per_step += 2 * param_bytes * (dp - 1) // dp
             self.dp_bytes_min += 2 * param_bytes * (dp - 1) // dp
         elif self.dp == "ddp" and topo.dp_group is not None:
@@ -88,19 +96,32 @@ class Spmd:
         for module in self._fsdp.values():
             fsdp_begin_step(module)
 
-    def hooks(self, schedule: Schedule, rank: int) -> dict[Action, Callable[[], None]]:
-        """Callbacks to run right after each local stage's last backward action of a step."""
+    def hooks(
+        self, schedule: Schedule, rank: int
+    ) -> tuple[dict[Action, list[Hook]], dict[Action, list[Hook]]]:
+        """(before, after) callbacks per action: gradient reductions right after each local
+        stage's last backward action of the step; FSDP2 reshards while a stage is idle and
+        gathers ahead of its next use."""
         last: dict[int, Action] = {}
         for a in schedule.actions[rank]:
             if a.op is not Op.F:
                 last[a.stage] = a
-        out: dict[Action, Callable[[], None]] = {}
+        after: dict[Action, list[Hook]] = {}
         for stage, action in last.items():
             if stage in self._syncs:
-                out[action] = self._syncs[stage].start
-            elif stage in self._fsdp:
-                out[action] = _bind_reduce(self._fsdp[stage])
-        return out
+                after.setdefault(action, []).append(self._syncs[stage].start)
+        before: dict[Action, list[Hook]] = {}
+        if self._fsdp:
+            plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap)
+            for a, hs in plan.after.items():
+                after.setdefault(a, []).extend(hs)
+            for a, hs in plan.before.items():
+                before.setdefault(a, []).extend(hs)
+            dp = self.topo.dp_size
+            self.dp_bytes_per_step = self._dp_bytes_base + sum(
+                n * self._param_bytes[s] * (dp - 1) // dp for s, n in plan.regathers.items()
+            )
+        return before, after
 
     def finish_step(self, timeout: float) -> float:
         """Wait for replica reductions; returns the factor the reduced grads still need
@@ -113,11 +134,3 @@ class Spmd:
     def grads_summed_elsewhere(self) -> bool:
         """True when dp reduction already happened per stage (not the plain all-reduce)."""
         return bool(self._syncs or self._fsdp)
-
-
-def _bind_reduce(module: Any) -> Callable[[], None]:
-    def run() -> None:
-        with torch.no_grad():
-            fsdp_reduce(module)
-
-    return run
