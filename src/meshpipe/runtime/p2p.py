@@ -13,7 +13,6 @@ expecting data from it.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import queue
 import threading
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.runtime import wire
+from meshpipe.runtime.waits import wait_work
 from meshpipe.schedule.comm import Transfer
 
 __all__ = ["Comm", "SizeCache"]
@@ -254,25 +254,10 @@ class Comm:
         )
 
     def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CommTimeoutError(
-                f"rank {self.rank}: {what} with rank {peer} not done in {self.timeout:.1f}s",
-                rank=self.rank,
-                peer=peer,
-            )
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=left))
-        except RuntimeError as e:
-            if "closed by peer" in str(e).lower() or "connection reset" in str(e).lower():
-                raise RemoteStageError(
-                    f"rank {self.rank}: rank {peer} closed the connection during {what}; that "
-                    "rank failed or exited"
-                ) from e
-            if "Timed out" in str(e) or "timeout" in str(e).lower():
-                raise CommTimeoutError(
-                    f"rank {self.rank}: {what} with rank {peer} not done in {self.timeout:.1f}s",
-                    rank=self.rank,
-                    peer=peer,
-                ) from e
-            raise
+        wait_work(
+            work,
+            deadline - time.monotonic(),
+            f"rank {self.rank}: {what} with rank {peer}",
+            rank=self.rank,
+            peer=peer,
+        )

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshpipe.errors import CommTimeoutError
 from meshpipe.runtime.stage import LossRecord
+from meshpipe.runtime.waits import wait_work
 
 __all__ = ["reduce_loss", "reduce_grads"]
 
@@ -36,7 +34,7 @@ def reduce_loss(
         buf[1] = sum(r.count or 0.0 for r in records.values())
         buf[2] = 1.0 if pair else 0.0
     if dist.get_world_size(pp_group) > 1:
-        _wait(
+        wait_work(
             dist.broadcast(buf, src=last_stage_global_rank, group=pp_group, async_op=True),
             timeout,
             "the loss broadcast over pp",
@@ -44,7 +42,7 @@ def reduce_loss(
     dp_size = 1
     if dp_group is not None:
         dp_size = dist.get_world_size(dp_group)
-        _wait(
+        wait_work(
             dist.all_reduce(buf, group=dp_group, async_op=True),
             timeout,
             "the loss all-reduce over dp",
@@ -57,15 +55,6 @@ def reduce_loss(
             raise ZeroDivisionError("loss_fn returned a total count of 0 over the step")
         return float(buf[0]) / count, 1.0 / count, True
     return float(buf[0]) / dp_size, 1.0 / dp_size, False
-
-
-def _wait(work: Any, timeout: float, what: str) -> None:
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise CommTimeoutError(f"{what} did not finish in {timeout:.1f}s") from e
-        raise
 
 
 def reduce_grads(
@@ -82,7 +71,7 @@ def reduce_grads(
         for group in by_dtype.values():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            _wait(
+            wait_work(
                 dist.all_reduce(flat, group=dp_group, async_op=True),
                 timeout,
                 "the gradient all-reduce over dp",
