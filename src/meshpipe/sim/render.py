@@ -117,8 +117,9 @@ def render_png(
     for ax, (tl, label) in zip(axes[:, 0], panels, strict=True):
         _draw_lanes(ax, tl, label, xmax)
     axes[-1, 0].set_xlabel("time")
-    _add_legend(fig, panels)
-    fig.tight_layout()
+    legend_rows = _add_legend(fig, panels)
+    # keep a strip at the bottom for the legend, so it never covers a panel's title
+    fig.tight_layout(rect=(0.0, 0.35 / fig.get_figheight() if legend_rows else 0.0, 1.0, 1.0))
     fig.savefig(os.fspath(path), dpi=100)
 
 
@@ -163,7 +164,7 @@ def _draw_lanes(ax: Any, timeline: Timeline, label: str | None, xmax: float) -> 
     ax.set_title(heading if label is None else f"{label}\n{heading}", fontsize=9)
 
 
-def _add_legend(fig: Any, panels: Sequence[tuple[Timeline, str | None]]) -> None:
+def _add_legend(fig: Any, panels: Sequence[tuple[Timeline, str | None]]) -> int:
     from matplotlib.patches import Patch
 
     ops = sorted(
@@ -171,7 +172,8 @@ def _add_legend(fig: Any, panels: Sequence[tuple[Timeline, str | None]]) -> None
     )
     handles = [Patch(facecolor=_OP_COLOURS[op], label=f"{op.value} {_OP_NAMES[op]}") for op in ops]
     if handles:
-        fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=len(handles))
+        fig.legend(handles=handles, loc="lower center", fontsize=8, ncol=len(handles))
+    return 1 if handles else 0
 
 
 def chrome_trace(
