@@ -103,3 +103,15 @@ def registered(name: str) -> bool:
 
 def sum_count_ref(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).sum() / out.numel()
+
+
+def check_case(results: list[dict[str, Any]], case: str, atol: float = 1e-5) -> None:
+    """Every rank's figures for ``case`` are within ``atol``; skip if the case did not run
+    (its schedule is not registered)."""
+    import pytest
+
+    for rank, res in enumerate(results):
+        if case not in res:
+            pytest.skip(f"{case} not run (schedule not registered)")
+        for metric, value in res[case].items():
+            assert value <= atol, f"rank {rank} case {case}: {metric} differs by {value}"

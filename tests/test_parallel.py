@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import D, blocks, dp_batch, mse
+from parity import D, blocks, check_case, dp_batch, mse
 
 ATOL = 1e-5
 STEPS = 3
@@ -155,19 +155,11 @@ def four() -> list[dict[str, Any]]:
     return run_on_ranks(_four, 4, timeout=500)
 
 
-def _check(results: list[dict[str, Any]], case: str) -> None:
-    for rank, res in enumerate(results):
-        if case not in res:
-            pytest.skip(f"{case} not run (schedule not registered)")
-        for metric, value in res[case].items():
-            assert value <= ATOL, f"rank {rank} {case}: {metric} differs by {value}"
-
-
 @pytest.mark.parametrize(
     "case", ["fsdp-1f1b", "fsdp-zbv", "ddp-1f1b", "ddp-zbv", "tp-1f1b", "tp-zbv"]
 )
 def test_three_adamw_steps_match_one_process(four: list[dict[str, Any]], case: str) -> None:
-    _check(four, case)
+    check_case(four, case, ATOL)
 
 
 def test_bad_spmd_input_is_refused_clearly(four: list[dict[str, Any]]) -> None:
@@ -206,4 +198,4 @@ def test_fsdp_reshards_idle_stages(four: list[dict[str, Any]]) -> None:
 def test_pp_dp_tp_eight_processes() -> None:
     results = run_on_ranks(_eight, 8, timeout=600)
     for case in ("3d-1f1b", "3d-zbv"):
-        _check(results, case)
+        check_case(results, case, ATOL)

@@ -22,6 +22,7 @@ from parity import (
     SCHEDULES,
     D,
     blocks,
+    check_case,
     grad_diff,
     mse,
     parity_case,
@@ -174,7 +175,7 @@ def results(trace_path: Path) -> list[dict[str, dict[str, float]]]:
 def test_timeline_and_merged_trace(
     results: list[dict[str, dict[str, float]]], trace_path: Path
 ) -> None:
-    _check(results, "trace")
+    check_case(results, "trace", ATOL)
     trace = json.loads(trace_path.read_text())
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     names = {(e["pid"], e["name"]) for e in events}
@@ -183,17 +184,9 @@ def test_timeline_and_merged_trace(
             assert (rank, f"{rank}F{mb}") in names and (rank, f"{rank}B{mb}") in names
 
 
-def _check(results: list[dict[str, dict[str, float]]], case: str) -> None:
-    for rank, res in enumerate(results):
-        if case not in res:
-            pytest.skip(f"{case} not run (schedule not registered)")
-        for metric, value in res[case].items():
-            assert value <= ATOL, f"rank {rank} case {case}: {metric} differs by {value}"
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_parity(results: list[dict[str, dict[str, float]]], schedule: str) -> None:
-    _check(results, schedule)
+    check_case(results, schedule, ATOL)
 
 
 @pytest.mark.parametrize(
@@ -211,4 +204,4 @@ def test_schedule_parity(results: list[dict[str, dict[str, float]]], schedule: s
     ],
 )
 def test_feature_parity(results: list[dict[str, dict[str, float]]], case: str) -> None:
-    _check(results, case)
+    check_case(results, case, ATOL)

@@ -8,7 +8,7 @@ import torch
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import SCHEDULES, parity_case, registered, sum_count, sum_count_ref
+from parity import SCHEDULES, check_case, parity_case, registered, sum_count, sum_count_ref
 
 ATOL = 1e-5
 DP_SCHEDULES = ["1f1b", "zbv", "gpipe"]
@@ -43,8 +43,4 @@ CASES += [f"pp2dp2-{s}" for s in DP_SCHEDULES] + ["pp2dp2-sum_count"]
 
 @pytest.mark.parametrize("case", CASES)
 def test_parity_4_processes(results: list[dict[str, dict[str, float]]], case: str) -> None:
-    for rank, res in enumerate(results):
-        if case not in res:
-            pytest.skip(f"{case} not run (schedule not registered)")
-        for metric, value in res[case].items():
-            assert value <= ATOL, f"rank {rank} case {case}: {metric} differs by {value}"
+    check_case(results, case, ATOL)
