@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -46,19 +45,29 @@ def clip_grad_norm_(
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
     with_grad = [p for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float64)
+    device = with_grad[0].grad.device if with_grad and with_grad[0].grad is not None else None
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else None
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for p in with_grad:
         grad = p.grad
         if grad is None:
             continue
         local = _local(grad).detach().to(torch.float64)
-        total += local.pow(2).sum().cpu() / replication_factor(p, axis_sizes, pp_axis)
+        total += local.pow(2).sum().to(total.device) / replication_factor(p, axis_sizes, pp_axis)
     if dist.is_initialized():
         dist.all_reduce(total, group=group)
-    norm = math.sqrt(float(total))
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in with_grad:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return torch.tensor(norm)
+    norm = total.sqrt()
+    # on the device, no host sync: multiply by min(1, max_norm / norm)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in with_grad:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+    return norm.to(torch.float32)
+
+
+def _nccl(group: dist.ProcessGroup | None) -> bool:
+    """True when ``group`` (default: the world) can only reduce CUDA tensors."""
+    if not dist.is_initialized() or not torch.cuda.is_available():
+        return False
+    return str(dist.get_backend(group)) == "nccl"

@@ -10,10 +10,10 @@ from typing import Any
 from meshpipe.runtime.microbatch import Microbatches
 from meshpipe.runtime.p2p import Comm
 from meshpipe.runtime.stage import LossRecord, StageRunner, as_stage_input
-from meshpipe.schedule.comm import Transfer, recv_of, send_of
+from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.ir import Action, Op, Schedule
 
-__all__ = ["ActionRecord", "CommPlan", "RankStatus", "plan_comm", "run_actions"]
+__all__ = ["ActionRecord", "RankStatus", "run_actions"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,27 +33,6 @@ class RankStatus:
     action: Action | None = None
     waiting_for: int | None = None
     phase: str = "idle"  # "pipeline" (running actions), "reduce" (end-of-step reductions)
-
-
-@dataclass(frozen=True)
-class CommPlan:
-    """What this rank receives from and sends to each peer, in posting order."""
-
-    recvs: dict[int, list[Transfer]]
-    sends: dict[int, list[Transfer]]
-
-
-def plan_comm(schedule: Schedule, rank: int) -> CommPlan:
-    recvs: dict[int, list[Transfer]] = {}
-    sends: dict[int, list[Transfer]] = {}
-    for a in schedule.actions[rank]:
-        r = recv_of(schedule, a)
-        if r is not None:
-            recvs.setdefault(r[0], []).append(r[1])
-        s = send_of(schedule, a)
-        if s is not None:
-            sends.setdefault(s[0], []).append(s[1])
-    return CommPlan(recvs, sends)
 
 
 def run_actions(
@@ -82,11 +61,13 @@ def run_actions(
     clock = time.perf_counter
     if status is None:
         status = RankStatus()
-    for a in schedule.actions[rank]:
+    row = schedule.actions[rank]
+    for i, a in enumerate(row):
         s, mb = a.stage, a.mb
         st = stages[s]
         t0 = clock()
         status.action = a
+        comm.post(i)  # the previous action's send and this action's receive, together
         if pre_hooks and a in pre_hooks:
             for hook in pre_hooks[a]:
                 hook()
@@ -100,7 +81,7 @@ def run_actions(
                     value = as_stage_input(value)
             else:
                 status.waiting_for = placement[s - 1]
-                value = comm.recv(placement[s - 1], Transfer("act", s - 1, s, mb), str(a))
+                value = comm.take(Transfer("act", s - 1, s, mb), str(a))
                 status.waiting_for = None
             t1 = clock()
             mb_inputs = (mbs.args[mb], mbs.kwargs[mb])
@@ -111,7 +92,7 @@ def run_actions(
             elif placement[s + 1] == rank:
                 acts[(s + 1, mb)] = out
             else:
-                comm.send(placement[s + 1], Transfer("act", s, s + 1, mb), out)
+                comm.put(Transfer("act", s, s + 1, mb), out)
             del out, value
         elif a.op is Op.W:
             t1 = clock()
@@ -123,7 +104,7 @@ def run_actions(
                     g = grads.pop((s, mb))
                 else:
                     status.waiting_for = placement[s + 1]
-                    g = comm.recv(placement[s + 1], Transfer("grad", s + 1, s, mb), str(a))
+                    g = comm.take(Transfer("grad", s + 1, s, mb), str(a))
                     status.waiting_for = None
             t1 = clock()
             in_grads = st.backward(mb, g, split=a.op is Op.I)
@@ -131,10 +112,11 @@ def run_actions(
                 if placement[s - 1] == rank:
                     grads[(s - 1, mb)] = in_grads
                 else:
-                    comm.send(placement[s - 1], Transfer("grad", s, s - 1, mb), in_grads)
+                    comm.put(Transfer("grad", s, s - 1, mb), in_grads)
             del g, in_grads
         if hooks and a in hooks:
             for hook in hooks[a]:
                 hook()
         records.append(ActionRecord(a, t0, t1, clock()))
+    comm.post(len(row))  # the last action's send
     return losses, records

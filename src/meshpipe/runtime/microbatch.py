@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +11,14 @@ import torch
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.pytree import flatten, unflatten
 
-__all__ = ["Replicate", "REPLICATE", "Microbatches", "split_microbatches", "merge_outputs"]
+__all__ = [
+    "Replicate",
+    "REPLICATE",
+    "Microbatches",
+    "split_microbatches",
+    "merge_outputs",
+    "input_signature",
+]
 
 
 class Replicate:
@@ -120,3 +127,21 @@ def merge_outputs(outputs: Sequence[Any]) -> Any:
         except TypeError:
             return out
     return out
+
+
+def input_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """What a microbatch's boundary shapes may depend on: the structure, dtypes and shapes
+    of its tensor inputs and the values of its other inputs. Equal on every pp rank."""
+    return (_sig(args), _sig(kwargs))
+
+
+def _sig(x: Any) -> Hashable:
+    if isinstance(x, torch.Tensor):
+        return ("T", x.dtype, tuple(x.shape))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(_sig(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _sig(v)) for k, v in x.items()))
+    if isinstance(x, (type(None), bool, int, float, str)):
+        return x
+    return type(x).__qualname__

@@ -1,14 +1,26 @@
-"""Point-to-point messages between pipeline ranks: self-describing, ordered, bounded waits.
+"""Point-to-point transfers between pipeline ranks: tensors travel as themselves.
 
-Every transfer is one packed message (runtime/wire.py: the tensor leaves and a description
-of the value), so receivers need no shapes in advance. Both ends remember the size of the
-last message of each stream (peer, kind, stage pair); while sizes repeat, a transfer is a
-single message; the first one and any size change are preceded by a message that gives the
-new size. Per pair of ranks, messages are received in the order they were sent (the
-schedule guarantees sends and receives are posted in the same order; no tags are used).
-On gloo a thread per peer posts receives ahead of need, so transfers overlap compute.
-A rank that fails sends an error, in the form its peer expects next, to every peer still
-expecting data from it.
+Two channels per pair of pp ranks:
+
+- **data** (the pp group: NCCL on GPU, gloo on CPU) carries only the tensor leaves of a
+  value, received into buffers allocated from a cached *description* (structure, dtypes,
+  shapes, requires_grad). No packing copy, no description bytes on the device.
+- **ctrl** (a gloo group on the CPU over the same ranks) carries what the receiver cannot
+  know: the whole value, self-described (runtime/wire.py), the first time a *description
+  key* is seen; a failing rank's error; and an end-of-step marker.
+
+A description key is (peer, kind, stage pair, the microbatch's input signature, mode). Every
+pp rank holds the same batch, so both ends of a stream decide alike whether a key is new:
+a steady-state step, where microbatch input shapes repeat, sends nothing on ctrl but one
+end marker per peer. Boundary shapes must therefore be a function of the input shapes; a
+value whose description differs from the one cached for its key is refused with an error
+naming the stage and both descriptions (see docs/runtime.md).
+
+What is posted, and when, is the program of :mod:`meshpipe.schedule.program`; this class
+posts each group before the action at its position. A rank that fails sends an error on
+ctrl to every peer it sends to, then plays out the rest of its program with zero-filled
+sends and scratch receives, so that no peer is left waiting on data; peers see the error
+at their next receive or at the end of the step and raise RemoteStageError.
 """
 
 from __future__ import annotations
@@ -17,243 +29,409 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.runtime import wire
-from meshpipe.runtime.waits import wait_work
+from meshpipe.runtime.pytree import Spec, flatten, unflatten
+from meshpipe.runtime.waits import Watchdog, wait_work
 from meshpipe.schedule.comm import Transfer
+from meshpipe.schedule.program import P2P
 
-__all__ = ["Comm", "SizeCache"]
+__all__ = ["Comm", "DescCache", "Desc", "Channels"]
 
 log = logging.getLogger(__name__)
 
-_MAX_IN_FLIGHT = 16  # sends kept pending before the oldest is waited for (gloo)
-StreamKey = tuple[int, str, int, int]  # (peer, kind, src stage, dst stage)
+DescKey = tuple[int, str, int, int, Hashable]  # (peer, kind, src, dst, input signature)
 
 
-def _key(peer: int, t: Transfer) -> StreamKey:
-    return (peer, t.kind, t.src_stage, t.dst_stage)
+class Desc(NamedTuple):
+    """What a receiver needs to allocate a value: structure and (dtype, shape, grad) of leaves."""
+
+    spec: Spec
+    leaves: tuple[tuple[torch.dtype, tuple[int, ...], bool], ...]
 
 
-class SizeCache:
-    """Message sizes last used per stream, kept across steps by both ends alike.
+def describe(value: Any) -> tuple[list[torch.Tensor], Desc]:
+    leaves, spec = flatten(value)
+    tensors = [t.detach() for t in leaves]
+    desc = Desc(spec, tuple((t.dtype, tuple(t.shape), bool(t.requires_grad)) for t in leaves))
+    return tensors, desc
 
-    When a transfer has the size of the stream's previous one (the usual case: shapes repeat)
-    it travels as one message; otherwise the sender first tells the receiver the new size.
-    """
+
+class DescCache:
+    """Descriptions per key, kept across steps by both ends of every stream alike."""
 
     def __init__(self) -> None:
-        self.send: dict[StreamKey, int] = {}
-        self.recv: dict[StreamKey, int] = {}
+        self.send: dict[DescKey, Desc] = {}
+        self.recv: dict[DescKey, Desc] = {}
+
+
+@dataclass(frozen=True)
+class Channels:
+    """The groups a Pipeline's transfers use: data (pp group) and ctrl (gloo, CPU)."""
+
+    data: dist.ProcessGroup
+    ctrl: dist.ProcessGroup
+    global_ranks: tuple[int, ...]  # pp rank -> global rank
+    batched: bool  # post each group with batch_isend_irecv (NCCL) instead of one by one
+
+
+@dataclass
+class _Recv:
+    peer: int
+    transfer: Transfer
+    key: DescKey
+    desc: Desc | None  # None: the value comes whole on ctrl
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)
+
+
+class _Reader:
+    """A thread reading one peer's ctrl messages in order: values, an error, or the end."""
+
+    def __init__(self, comm: Comm, peer: int) -> None:
+        self.peer = peer
+        self.items: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.error: RemoteStageError | None = None
+        self.ended = False
+        self._comm = comm
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"meshpipe-ctrl-{comm.rank}-from-{peer}"
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        c = self._comm
+        try:
+            while True:
+                header = c.ctrl_recv(self.peer, wire.HEADER_BYTES)
+                fields = wire.read_header(header)
+                if "e" in fields:
+                    self.items.put(("error", c.remote_error(fields)))
+                    return
+                if "x" in fields:
+                    self.items.put(("end", None))
+                    return
+                meta, got, value = wire.unpack(c.ctrl_recv(self.peer, int(fields["n"])))
+                self.items.put(("value", (got, value)))
+        except BaseException as e:  # handed to the main thread, which raises it
+            self.items.put(("failed", e))
+
+    def next(self, deadline: float, what: str) -> tuple[str, Any]:
+        """The next message (blocking until ``deadline``); errors are raised."""
+        try:
+            kind, item = self.items.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise CommTimeoutError(
+                f"rank {self._comm.rank} waited {self._comm.timeout:.1f}s for {what} from "
+                f"rank {self.peer}; that rank is stuck or gone",
+                rank=self._comm.rank,
+                peer=self.peer,
+            ) from None
+        return self._check(kind, item)
+
+    def _check(self, kind: str, item: Any) -> tuple[str, Any]:
+        if kind == "error":
+            self.error = item
+            raise item
+        if kind == "failed":
+            if isinstance(item, RemoteStageError):
+                raise item
+            raise RemoteStageError(
+                f"rank {self._comm.rank}: the control channel with rank {self.peer} broke: {item}"
+            ) from item
+        return kind, item
+
+    def poll_error(self) -> RemoteStageError | None:
+        """An error the peer has already reported, without waiting (values stay queued)."""
+        with self.items.mutex:
+            for kind, item in self.items.queue:
+                if kind == "error":
+                    return item  # type: ignore[no-any-return]
+        return None
 
 
 class Comm:
-    """This rank's messages for one step: ``send``/``recv`` by pp rank, ``finish`` at the end."""
+    """This rank's transfers for one step, following its part of the p2p program."""
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
-        global_ranks: Sequence[int],
+        channels: Channels,
         rank: int,
         timeout: float,
         device: torch.device,
-        threaded: bool,
-        cache: SizeCache | None = None,
+        cache: DescCache,
+        signatures: Sequence[Hashable],
+        watchdog: Watchdog | None = None,
     ) -> None:
-        self.cache = cache if cache is not None else SizeCache()
-        self.group = group
-        self.global_ranks = list(global_ranks)
+        self.ch = channels
         self.rank = rank
         self.timeout = timeout
         self.device = device
-        self.threaded = threaded
-        self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
-        self._sent: dict[int, int] = {}
-        self._send_plan: dict[int, list[Transfer]] = {}
-        self._queues: dict[int, queue.Queue[tuple[Transfer | None, Any]]] = {}
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
+        self.cache = cache
+        self.signatures = signatures
         self.bytes_sent = 0
+        self.posted: list[tuple[P2P, ...]] = []  # every group posted, for tests and traces
+        self._program: dict[int, tuple[P2P, ...]] = {}
+        self._outbox: dict[Transfer, Any] = {}
+        self._recvs: dict[Transfer, _Recv] = {}
+        self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
+        self._readers: dict[int, _Reader] = {}
+        self._send_peers: set[int] = set()
+        self._watchdog = watchdog  # set on CUDA: device waits are stream waits, bounded by it
+        self._next_position = 0
 
     # -- lifecycle --------------------------------------------------------------------
-    def begin(
-        self, recv_plan: Mapping[int, list[Transfer]], send_plan: Mapping[int, list[Transfer]]
-    ) -> None:
-        """Start a step: what arrives from / goes to each peer, in posting order."""
-        self._send_plan = {peer: list(ts) for peer, ts in send_plan.items()}
-        self._sent = {}
-        self._stop.clear()
-        for peer, transfers in recv_plan.items():
-            q: queue.Queue[tuple[Transfer | None, Any]] = queue.Queue()
-            self._queues[peer] = q
-            if self.threaded and transfers:
-                t = threading.Thread(
-                    target=self._recv_loop,
-                    args=(peer, list(transfers), q),
-                    daemon=True,
-                    name=f"meshpipe-recv-{self.rank}-from-{peer}",
-                )
-                t.start()
-                self._threads.append(t)
+    def begin(self, groups: Sequence[tuple[P2P, ...]], positions: Sequence[int]) -> None:
+        """Start a step with this rank's program: groups and the positions they precede."""
+        self._program = dict(zip(positions, groups, strict=True))
+        recv_peers = {op.peer for g in groups for op in g if op.op == "recv"}
+        self._send_peers = {op.peer for g in groups for op in g if op.op == "send"}
+        self._readers = {p: _Reader(self, p) for p in sorted(recv_peers)}
 
     def finish(self) -> None:
-        """Wait for every send of this step to complete and for receive threads to end."""
+        """End of step: sends done, end markers exchanged with every peer."""
         deadline = time.monotonic() + self.timeout
         for work, _tensors, peer in self._sends:
-            if work is not None:
-                self._wait(work, deadline, f"send to rank {peer}", peer)
+            self._wait(work, deadline, f"send to rank {peer}", peer)
         self._sends.clear()
-        for t in self._threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        self._threads.clear()
-        self._queues.clear()
+        end = wire.make_header({"x": 1}, _CPU)
+        markers = [(self._ctrl_send(p, end), p) for p in self._send_peers]
+        for work, peer in markers:
+            self._wait(work, deadline, "end-of-step marker", peer)
+        for peer, reader in self._readers.items():
+            kind, _ = reader.next(deadline, "the end of the step")
+            if kind != "end":
+                raise PipelineError(
+                    f"rank {self.rank}: rank {peer} sent more values than this rank's schedule "
+                    "expects; the ranks are running different schedules"
+                )
+        if self._watchdog is not None:
+            self._watchdog.check()
+        self._readers.clear()
 
-    def abort(self, reason: str) -> None:
-        """Tell every peer still expecting messages from this rank that it failed."""
-        self._stop.set()
-        notices: list[tuple[Any, torch.Tensor, int]] = []
-        for peer, planned in self._send_plan.items():
-            done = self._sent.get(peer, 0)
-            if done >= len(planned):
-                continue
-            try:
-                size = self.cache.send.get(_key(peer, planned[done]))
-                fields = {"e": reason, "r": self.rank}
-                if size is None:
-                    msg = wire.make_header(fields, self.device)
-                else:
-                    msg = wire.control_message(size, fields, self.device)
-                work = dist.isend(msg, dst=self.global_ranks[peer], group=self.group)
-                notices.append((work, msg, peer))
-            except Exception:  # the peer may be gone already; nothing more to do
-                log.debug("could not notify rank %d of the failure", peer, exc_info=True)
-            self._sent[peer] = len(planned)
-        # let the notices leave before this process goes on to exit (bounded: a peer that
-        # is gone too must not hold this rank here)
-        deadline = time.monotonic() + min(self.timeout, 10.0)
-        for work, _msg, peer in notices:
-            try:
-                self._wait(work, deadline, "failure notice", peer)
-            except Exception:  # best effort, as above
-                log.debug("failure notice to rank %d not delivered", peer, exc_info=True)
-        self._threads.clear()
-        self._queues.clear()
-        self._sends.clear()
+    # -- the program --------------------------------------------------------------------
+    def post(self, position: int) -> None:
+        """Post the group that precedes the action at ``position`` (if there is one)."""
+        self._next_position = position + 1
+        group = self._program.get(position)
+        if group is None:
+            return
+        self._raise_remote_error()
+        ops: list[tuple[str, torch.Tensor, int]] = []
+        recvs: list[_Recv] = []
+        for op in group:
+            if op.op == "send":
+                self._prepare_send(op, self._outbox.pop(op.transfer), ops)
+            else:
+                recvs.append(self._prepare_recv(op, ops))
+        works = self._issue(ops)
+        for r in recvs:
+            # a group holds at most one receive
+            r.works = [w for w, (kind, _t, _p) in zip(works, ops, strict=True) if kind == "recv"]
+            self._recvs[r.transfer] = r
+        self.posted.append(group)
 
-    # -- sending ----------------------------------------------------------------------
-    def send(self, peer: int, transfer: Transfer, value: Any) -> None:
-        """Send ``value`` (a pytree) to pp rank ``peer``; returns without waiting."""
-        buf = wire.pack(transfer, value, self.device)
-        key = _key(peer, transfer)
-        size = buf.numel()
+    def put(self, transfer: Transfer, value: Any) -> None:
+        """Hand over an action's output; it is sent with the next group of the program."""
+        self._outbox[transfer] = value
+
+    def take(self, transfer: Transfer, doing: str) -> Any:
+        """The value of a receive posted earlier (``doing`` names the action, for errors)."""
+        r = self._recvs.pop(transfer)
+        deadline = time.monotonic() + self.timeout
+        try:
+            if r.desc is None:
+                return self._take_whole(r, deadline, doing)
+            return self._take_data(r, deadline, doing)
+        except CommTimeoutError as e:
+            self._raise_remote_error()
+            raise CommTimeoutError(
+                f"rank {self.rank} waited {self.timeout:.1f}s in {doing} for {transfer} from "
+                f"rank {r.peer} (global rank {self.ch.global_ranks[r.peer]}); that rank is "
+                "stuck or gone",
+                rank=self.rank,
+                action=doing,
+                mb=transfer.mb,
+                peer=r.peer,
+            ) from e
+
+    # -- sending --------------------------------------------------------------------------
+    def _key(self, peer: int, t: Transfer) -> DescKey:
+        return (peer, t.kind, t.src_stage, t.dst_stage, self.signatures[t.mb])
+
+    def _prepare_send(self, op: P2P, value: Any, ops: list[tuple[str, torch.Tensor, int]]) -> None:
+        tensors, desc = describe(value)
+        key = self._key(op.peer, op.transfer)
         known = self.cache.send.get(key)
-        if known is None:
-            self._post_send(peer, wire.make_header({"n": size}, self.device))
-        elif known != size:
-            self._post_send(peer, wire.control_message(known, {"n": size}, self.device))
-        self._post_send(peer, buf)
-        self.cache.send[key] = size
-        self._sent[peer] = self._sent.get(peer, 0) + 1
-
-    def _post_send(self, peer: int, tensor: torch.Tensor) -> None:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        work = dist.isend(tensor, dst=self.global_ranks[peer], group=self.group)
-        self._sends.append((work, [tensor], peer))
-        if self.threaded and len(self._sends) > _MAX_IN_FLIGHT:
-            # release sent buffers as the step goes instead of holding all of them to its end;
-            # safe on gloo, where the peers' receive threads post every receive in order
-            old, _, old_peer = self._sends.pop(0)
-            self._wait(old, time.monotonic() + self.timeout, f"send to rank {old_peer}", old_peer)
-
-    # -- receiving --------------------------------------------------------------------
-    def recv(self, peer: int, transfer: Transfer, doing: str) -> Any:
-        """The next value from pp rank ``peer``, which must be ``transfer``.
-
-        ``doing`` names the action waiting, for the timeout message.
-        """
-        if self.threaded:
-            try:
-                got, value = self._queues[peer].get(timeout=self.timeout)
-            except queue.Empty:
-                raise self._timeout_error(peer, transfer, doing) from None
-        else:
-            got, value = self._receive_one(peer, transfer, time.monotonic() + self.timeout)
-        if isinstance(value, CommTimeoutError):  # the receive thread gave up first
-            raise self._timeout_error(peer, transfer, doing) from value
-        if isinstance(value, BaseException):
-            raise value
-        if got != transfer:
+        if known is None:  # first of its key: the whole value on ctrl, described
+            buf = wire.pack(op.transfer, value, _CPU)  # copies to the host: not steady state
+            header = wire.make_header({"n": buf.numel()}, _CPU)
+            self._sends.append((self._ctrl_send(op.peer, header), [header], op.peer))
+            self._sends.append((self._ctrl_send(op.peer, buf), [buf], op.peer))
+            self.bytes_sent += header.numel() + buf.numel()
+            self.cache.send[key] = desc
+            return
+        if known != desc:
             raise PipelineError(
-                f"rank {self.rank} expected {transfer} from rank {peer} but received {got}: "
-                "the ranks are running different schedules"
+                f"{op.transfer} has {_show(desc)} but an earlier microbatch with inputs of the "
+                f"same shapes gave {_show(known)}: values crossing stage boundaries must have "
+                "shapes, dtypes and structure that depend only on the shapes of the inputs"
             )
-        return value
+        for t in tensors:
+            if t.numel():
+                t = t.contiguous()
+                ops.append(("send", t, op.peer))
+                self.bytes_sent += t.numel() * t.element_size()
 
-    def _timeout_error(self, peer: int, transfer: Transfer, doing: str) -> CommTimeoutError:
-        return CommTimeoutError(
-            f"rank {self.rank} waited {self.timeout:.1f}s in {doing} for {transfer} from rank "
-            f"{peer} (global rank {self.global_ranks[peer]}); that rank is stuck or gone",
-            rank=self.rank,
-            action=doing,
-            mb=transfer.mb,
-            peer=peer,
-        )
+    # -- receiving ------------------------------------------------------------------------
+    def _prepare_recv(self, op: P2P, ops: list[tuple[str, torch.Tensor, int]]) -> _Recv:
+        key = self._key(op.peer, op.transfer)
+        desc = self.cache.recv.get(key)
+        r = _Recv(op.peer, op.transfer, key, desc)
+        if desc is not None:
+            for dtype, shape, _rg in desc.leaves:
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                r.buffers.append(buf)
+                if buf.numel():
+                    ops.append(("recv", buf, op.peer))
+        return r
 
-    def _recv_loop(
-        self, peer: int, transfers: list[Transfer], q: queue.Queue[tuple[Transfer | None, Any]]
-    ) -> None:
-        for expected in transfers:
-            if self._stop.is_set():
-                return
-            try:
-                item = self._receive_one(peer, expected, time.monotonic() + self.timeout)
-            except CommTimeoutError:
-                q.put((expected, self._timeout_error(peer, expected, "receive")))
-                return
-            except BaseException as e:  # delivered to the main thread, which raises it
-                q.put((expected, e))
-                return
-            q.put(item)
-            if isinstance(item[1], BaseException):
-                return
+    def _take_data(self, r: _Recv, deadline: float, doing: str) -> Any:
+        assert r.desc is not None  # internal invariant, not user input
+        for work in r.works:
+            if self._watchdog is not None:  # a stream wait; the watchdog bounds it
+                work.wait()
+                self._watchdog.watch(work, deadline, f"rank {self.rank}: {doing} <- rank {r.peer}")
+            else:
+                self._wait(work, deadline, f"{doing}: receive", r.peer)
+        self._raise_remote_error()
+        leaves = []
+        for buf, (_dt, _shape, rg) in zip(r.buffers, r.desc.leaves, strict=True):
+            if rg and buf.is_floating_point():
+                buf.requires_grad_(True)
+            leaves.append(buf)
+        return unflatten(leaves, r.desc.spec)
 
-    def _receive_one(
-        self, peer: int, expected: Transfer, deadline: float
-    ) -> tuple[Transfer | None, Any]:
-        key = _key(peer, expected)
-        size = self.cache.recv.get(key)
-        if size is None:
-            header = self._recv_bytes(peer, wire.HEADER_BYTES, deadline)
-            fields = wire.read_header(header)
-            if "e" in fields:
-                return None, self._remote_error(fields)
-            size = int(fields["n"])
-        meta, got, value = wire.unpack(self._recv_bytes(peer, size, deadline))
-        if "n" in meta:  # the size changed: the real message follows
-            size = int(meta["n"])
-            meta, got, value = wire.unpack(self._recv_bytes(peer, size, deadline))
-        if "e" in meta:
-            return None, self._remote_error(meta)
-        self.cache.recv[key] = size
-        return got, value
+    def _take_whole(self, r: _Recv, deadline: float, doing: str) -> Any:
+        reader = self._readers[r.peer]
+        _kind, (got, value) = reader.next(deadline, f"{r.transfer} in {doing}")
+        if got != r.transfer:
+            raise PipelineError(
+                f"rank {self.rank} expected {r.transfer} from rank {r.peer} but received {got}: "
+                "the ranks are running different schedules or microbatch counts"
+            )
+        tensors, desc = describe(value)
+        self.cache.recv[r.key] = desc
+        moved = [
+            t.detach().to(self.device).requires_grad_(rg and t.is_floating_point())
+            for t, (_d, _s, rg) in zip(tensors, desc.leaves, strict=True)
+        ]
+        return unflatten(moved, desc.spec)
 
-    def _recv_bytes(self, peer: int, size: int, deadline: float) -> torch.Tensor:
-        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        work = dist.irecv(buf, src=self.global_ranks[peer], group=self.group)
-        self._wait(work, deadline, "receive", peer)
-        return buf
-
-    def _remote_error(self, fields: dict[str, Any]) -> RemoteStageError:
+    # -- failure ----------------------------------------------------------------------
+    def remote_error(self, fields: dict[str, Any]) -> RemoteStageError:
         return RemoteStageError(
             f"rank {self.rank} stopped: rank {fields['r']} failed: {fields['e']}"
         )
 
+    def _raise_remote_error(self) -> None:
+        for reader in self._readers.values():
+            err = reader.poll_error()
+            if err is not None:
+                raise err
+        if self._watchdog is not None:
+            self._watchdog.check()
+
+    def remote_cause(self) -> RemoteStageError | None:
+        """An error some peer reported during this step, if any (no waiting)."""
+        for reader in self._readers.values():
+            err = reader.error or reader.poll_error()
+            if err is not None:
+                return err
+        return None
+
+    def abort(self, reason: str) -> None:
+        """Tell the peers this rank failed, then play out the rest of the program with
+        zero-filled sends and scratch receives, so no peer waits on data (bounded)."""
+        notices = []
+        for peer in sorted(self._send_peers):
+            try:
+                msg = wire.make_header({"e": reason, "r": self.rank}, _CPU)
+                notices.append((self._ctrl_send(peer, msg), peer))
+            except Exception:  # the peer may be gone already
+                log.debug("could not notify rank %d of the failure", peer, exc_info=True)
+        ops: list[tuple[str, torch.Tensor, int]] = []
+        for position in sorted(p for p in self._program if p >= self._next_position):
+            for op in self._program[position]:
+                key = self._key(op.peer, op.transfer)
+                desc = (self.cache.send if op.op == "send" else self.cache.recv).get(key)
+                for dtype, shape, _rg in desc.leaves if desc is not None else ():
+                    buf = torch.zeros(shape, dtype=dtype, device=self.device)
+                    if buf.numel():
+                        ops.append((op.op, buf, op.peer))
+        pending = [w for w, _t, _p in self._sends]
+        try:
+            pending += self._issue(ops)
+        except Exception:
+            log.debug("could not play out the program", exc_info=True)
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        for work, peer in notices:
+            try:
+                self._wait(work, deadline, "failure notice", peer)
+            except Exception:
+                log.debug("failure notice to rank %d not delivered", peer, exc_info=True)
+        for work in pending:
+            try:
+                self._wait(work, deadline, "playing out the step after a failure", -1)
+            except Exception:
+                log.debug("a play-out transfer did not complete", exc_info=True)
+        self._sends.clear()
+        self._recvs.clear()
+
+    # -- transport --------------------------------------------------------------------
+    def _issue(self, ops: list[tuple[str, torch.Tensor, int]]) -> list[Any]:
+        ranks, group = self.ch.global_ranks, self.ch.data
+        if not ops:
+            return []
+        if self.ch.batched:
+            p2p = [
+                dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, ranks[peer], group)
+                for kind, t, peer in ops
+            ]
+            batch = dist.batch_isend_irecv(p2p)
+            works = [batch[-1]] * len(ops) if len(batch) != len(ops) else list(batch)
+        else:
+            works = [
+                (dist.isend if kind == "send" else dist.irecv)(t, ranks[peer], group=group)
+                for kind, t, peer in ops
+            ]
+        for w, (kind, t, peer) in zip(works, ops, strict=True):
+            if kind == "send":
+                self._sends.append((w, [t], peer))
+        return works
+
+    def _ctrl_send(self, peer: int, buf: torch.Tensor) -> Any:
+        return dist.isend(buf, dst=self.ch.global_ranks[peer], group=self.ch.ctrl)
+
+    def ctrl_recv(self, peer: int, size: int) -> torch.Tensor:
+        buf = torch.empty(size, dtype=torch.uint8)
+        work = dist.irecv(buf, src=self.ch.global_ranks[peer], group=self.ch.ctrl)
+        what = f"rank {self.rank}: control message from rank {peer}"
+        wait_work(work, self.timeout, what, rank=self.rank, peer=peer)
+        return buf
+
     def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
+        if self._watchdog is not None:  # device work: never block the host on it
+            work.wait()
+            self._watchdog.watch(work, deadline, f"rank {self.rank}: {what} with rank {peer}")
+            return
         wait_work(
             work,
             deadline - time.monotonic(),
@@ -261,3 +439,11 @@ class Comm:
             rank=self.rank,
             peer=peer,
         )
+
+
+_CPU = torch.device("cpu")
+
+
+def _show(desc: Desc) -> str:
+    shapes = ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for d, s, _ in desc.leaves)
+    return f"tensors ({shapes})"

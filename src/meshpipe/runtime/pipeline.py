@@ -13,17 +13,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshpipe.errors import PipelineError, ScheduleError
+from meshpipe.errors import PipelineError, RemoteStageError, ScheduleError
 from meshpipe.parallel.clip import clip_grad_norm_
-from meshpipe.runtime.executor import ActionRecord, CommPlan, RankStatus, plan_comm, run_actions
-from meshpipe.runtime.microbatch import ChunkSpec, merge_outputs, split_microbatches
-from meshpipe.runtime.p2p import Comm, SizeCache
+from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
+from meshpipe.runtime.microbatch import (
+    ChunkSpec,
+    input_signature,
+    merge_outputs,
+    split_microbatches,
+)
+from meshpipe.runtime.p2p import Channels, Comm, DescCache
 from meshpipe.runtime.pytree import flatten
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss
 from meshpipe.runtime.spmd import Spmd
 from meshpipe.runtime.stage import StageRunner
-from meshpipe.runtime.topology import Topology
+from meshpipe.runtime.topology import Topology, pp_channels
+from meshpipe.runtime.waits import Watchdog
 from meshpipe.schedule.ir import Op, Schedule
+from meshpipe.schedule.program import P2P, program_positions
 from meshpipe.schedule.registry import get_schedule
 from meshpipe.schedule.validate import validate
 from meshpipe.split.sequential import split_sequential
@@ -121,8 +128,11 @@ class Pipeline:
         else:
             self._build_runners(self._stage_modules(model))
         self._infer = _inference_schedule(sched)
-        self._plans: dict[int, CommPlan] = {}
-        self._sizes = SizeCache()
+        self._programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
+        self._channels: Channels = pp_channels(topo, self.timeout)
+        self._descs = DescCache()
+        self._watchdog = Watchdog() if topo.device.type == "cuda" else None
+        self._comm_now: Comm | None = None
         self._records: list[ActionRecord] = []
         self._status = RankStatus()
         self._steps = 0
@@ -326,23 +336,23 @@ class Pipeline:
         if not args:
             raise PipelineError("step()/forward() need at least one positional input")
 
-    def _comm(self, schedule: Schedule) -> tuple[Comm, CommPlan]:
+    def _comm(self, schedule: Schedule, signatures: list[Any]) -> Comm:
         topo = self.topology
         key = id(schedule)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = plan_comm(schedule, topo.pp_rank)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = program_positions(schedule, topo.pp_rank)
         comm = Comm(
-            topo.pp_group,
-            topo.pp_global_ranks,
+            self._channels,
             topo.pp_rank,
             self.timeout,
             topo.device,
-            threaded=topo.device.type == "cpu",
-            cache=self._sizes,
+            self._descs,
+            signatures,
+            self._watchdog,
         )
-        comm.begin(plan.recvs, plan.sends)
-        return comm, plan
+        comm.begin(*program)
+        return comm
 
     def _run(
         self,
@@ -355,7 +365,10 @@ class Pipeline:
         mbs = split_microbatches(args, kwargs, target, schedule.num_microbatches, self.chunk_spec)
         for r in self._runners.values():
             r.reset()
-        comm, _ = self._comm(schedule)
+        signatures = [
+            (training, input_signature(a, k)) for a, k in zip(mbs.args, mbs.kwargs, strict=True)
+        ]
+        comm = self._comm(schedule, signatures)
         self._status = RankStatus(phase="pipeline")
         before, after = self._spmd.hooks(schedule, self.topology.pp_rank) if training else ({}, {})
         if training:
@@ -375,10 +388,15 @@ class Pipeline:
             )
             comm.finish()
         except BaseException as e:
+            cause = comm.remote_cause()
             comm.abort(f"{type(e).__name__}: {e}")
-            self._sizes = SizeCache()  # message sizes are unknown after a broken step
+            self._descs = DescCache()  # descriptions are unknown after a broken step
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
+            if cause is not None and cause is not e and not isinstance(e, RemoteStageError):
+                # this rank failed on values a failed peer had zero-filled: report the peer
+                cause.meshpipe_status = report  # type: ignore[attr-defined]
+                raise cause from e
             e.meshpipe_status = report  # type: ignore[attr-defined]
             raise
         return dict(losses)
@@ -409,25 +427,29 @@ class Pipeline:
                 p.grad = old if p.grad is None else p.grad.add_(old)
         self._status.phase = "idle"
         self._steps += 1
-        return torch.tensor(loss)
+        return loss.to(torch.float32)
 
-    def _reduce(self, losses: dict[int, Any], params: list[nn.Parameter]) -> float:
+    def _reduce(self, losses: dict[int, Any], params: list[nn.Parameter]) -> torch.Tensor:
         """End of step: the loss agreed over pp and dp, gradients reduced and scaled."""
         factor = self._spmd.finish_step(self.timeout)
         topo = self.topology
         last_rank = self.schedule.placement[-1]
-        loss, scale, _ = reduce_loss(
+        loss, scale = reduce_loss(
             losses,
             self.holds_last_stage,
             topo.pp_global_ranks[last_rank],
             topo.pp_group,
             topo.dp_group,
+            topo.device,
             timeout=self.timeout,
+            watchdog=self._watchdog,
         )
         if self._spmd.grads_summed_elsewhere:
             reduce_grads(params, scale * factor, None)
         else:
-            reduce_grads(params, scale, topo.dp_group, timeout=self.timeout)
+            reduce_grads(
+                params, scale, topo.dp_group, timeout=self.timeout, watchdog=self._watchdog
+            )
         if self._whole is not None:
             self._whole.sync_grads()  # tied weights: sum over the stages holding them
         return loss

@@ -1,16 +1,29 @@
-"""End of step: agree on the loss over pp and dp, and normalise and average gradients."""
+"""End of step: agree on the loss over pp and dp, and normalise and average gradients.
+
+Everything stays on the device: the loss and the gradient scale are 0-dim tensors, so a
+step never waits for the GPU on the host (on CPU the same code simply runs)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from meshpipe.runtime.stage import LossRecord
-from meshpipe.runtime.waits import wait_work
+from meshpipe.runtime.waits import Watchdog, wait_work
 
 __all__ = ["reduce_loss", "reduce_grads"]
+
+
+def _wait(work: Any, timeout: float, what: str, watchdog: Watchdog | None) -> None:
+    if watchdog is None:
+        wait_work(work, timeout, what)
+    else:  # a stream wait; the watchdog bounds it without blocking the host
+        work.wait()
+        watchdog.watch(work, time.monotonic() + timeout, what)
 
 
 def reduce_loss(
@@ -19,49 +32,46 @@ def reduce_loss(
     last_stage_global_rank: int,
     pp_group: dist.ProcessGroup,
     dp_group: dist.ProcessGroup | None,
+    device: torch.device,
     timeout: float = 300.0,
-) -> tuple[float, float, bool]:
-    """(loss, gradient scale, is_pair) identical on every rank.
+    watchdog: Watchdog | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, gradient scale) as 0-dim float64 tensors on ``device``, equal on every rank.
 
     Mean losses were weighted by microbatch share: the loss is their sum, averaged over dp.
     (sum, count) losses: the loss is total sum / total count over microbatches and dp.
     The gradient scale is what the locally accumulated gradients must be multiplied by.
     """
-    buf = torch.zeros(3, dtype=torch.float64)
+    buf = torch.zeros(3, dtype=torch.float64, device=device)
     if holds_last_stage and records:
-        pair = any(r.count is not None for r in records.values())
-        buf[0] = sum(r.value for r in records.values())
-        buf[1] = sum(r.count or 0.0 for r in records.values())
-        buf[2] = 1.0 if pair else 0.0
+        values = [r.value.to(device=device, dtype=torch.float64) for r in records.values()]
+        buf[0] = torch.stack(values).sum()
+        counts = [r.count for r in records.values() if r.count is not None]
+        if counts:
+            buf[1] = torch.stack([c.to(device) for c in counts]).sum()
+            buf[2] = 1.0
     if dist.get_world_size(pp_group) > 1:
-        wait_work(
-            dist.broadcast(buf, src=last_stage_global_rank, group=pp_group, async_op=True),
-            timeout,
-            "the loss broadcast over pp",
-        )
+        work = dist.broadcast(buf, src=last_stage_global_rank, group=pp_group, async_op=True)
+        _wait(work, timeout, "the loss broadcast over pp", watchdog)
     dp_size = 1
     if dp_group is not None:
         dp_size = dist.get_world_size(dp_group)
-        wait_work(
-            dist.all_reduce(buf, group=dp_group, async_op=True),
-            timeout,
-            "the loss all-reduce over dp",
-        )
-        buf[2] /= dp_size
-    is_pair = bool(buf[2] > 0.5)
-    if is_pair:
-        count = float(buf[1])
-        if count <= 0:
-            raise ZeroDivisionError("loss_fn returned a total count of 0 over the step")
-        return float(buf[0]) / count, 1.0 / count, True
-    return float(buf[0]) / dp_size, 1.0 / dp_size, False
+        work = dist.all_reduce(buf, group=dp_group, async_op=True)
+        _wait(work, timeout, "the loss all-reduce over dp", watchdog)
+    is_pair = buf[2] > 0.5 * dp_size
+    if device.type == "cpu" and bool(is_pair) and float(buf[1]) <= 0:  # free on the host
+        raise ZeroDivisionError("loss_fn returned a total count of 0 over the step")
+    loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
+    scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
+    return loss, scale
 
 
 def reduce_grads(
     params: Sequence[torch.Tensor],
-    scale: float,
+    scale: float | torch.Tensor,
     dp_group: dist.ProcessGroup | None,
     timeout: float = 300.0,
+    watchdog: Watchdog | None = None,
 ) -> None:
     """Sum gradients over dp in one coalesced all-reduce, then multiply by ``scale``."""
     if dp_group is not None and params:
@@ -71,17 +81,15 @@ def reduce_grads(
         for group in by_dtype.values():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            wait_work(
-                dist.all_reduce(flat, group=dp_group, async_op=True),
-                timeout,
-                "the gradient all-reduce over dp",
-            )
+            work = dist.all_reduce(flat, group=dp_group, async_op=True)
+            _wait(work, timeout, "the gradient all-reduce over dp", watchdog)
             offset = 0
             for p in group:
                 n = p.numel()
                 p.grad = flat[offset : offset + n].view_as(p)
                 offset += n
-    if scale != 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+    if isinstance(scale, float) and scale == 1.0:
+        return
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)

@@ -22,8 +22,8 @@ LossFn = Callable[[Any, Any], Any]
 class LossRecord:
     """The last stage's loss for one microbatch: mean-weighted value, or a (sum, count) pair."""
 
-    value: float
-    count: float | None  # None: mean loss, already weighted by the microbatch's share
+    value: torch.Tensor  # 0-dim, detached, on the stage's device (never read on the host)
+    count: torch.Tensor | None  # None: mean loss, already weighted by the microbatch's share
 
 
 @dataclass
@@ -128,11 +128,14 @@ class StageRunner:
                 )
             total, count = result
             _check_scalar(total, mb)
-            c = float(count.detach()) if isinstance(count, torch.Tensor) else float(count)
-            return total, LossRecord(float(total.detach()), c)
+            if isinstance(count, torch.Tensor):
+                c = count.detach().to(torch.float64).reshape(())
+            else:
+                c = torch.tensor(float(count), dtype=torch.float64)
+            return total, LossRecord(total.detach().reshape(()), c)
         _check_scalar(result, mb)
         weighted = result * share
-        return weighted, LossRecord(float(weighted.detach()), None)
+        return weighted, LossRecord(weighted.detach().reshape(()), None)
 
     def backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         """B (``split=False``) or I (``split=True``); returns gradients of the stage inputs."""

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshpipe.errors import PipelineError
+from meshpipe.runtime.p2p import Channels
 
-__all__ = ["init_mesh", "Topology"]
+__all__ = ["init_mesh", "Topology", "pp_channels"]
 
 log = logging.getLogger(__name__)
 AXES = ("pp", "dp", "tp")
@@ -35,7 +36,10 @@ def init_mesh(
     """A DeviceMesh with axes ("pp", "dp", "tp") over all processes (size-1 axes kept).
 
     Initialises the default process group from torchrun's environment variables when none
-    exists: gloo on CPU, NCCL when CUDA is present. ``timeout`` bounds collectives (seconds).
+    exists: gloo on CPU; ``"cpu:gloo,cuda:nccl"`` when CUDA is present, on device
+    ``cuda:(LOCAL_RANK % device_count)``. A mesh built by the user on a plain ``"nccl"``
+    group works too: the Pipeline makes the CPU-side group it needs itself.
+    ``timeout`` bounds collectives (seconds).
     """
     sizes = tuple(_check_degree(n, v) for n, v in zip(AXES, (pp, dp, tp)))
     if device_type is None:
@@ -49,9 +53,11 @@ def init_mesh(
                 f"no process group and {missing} unset: launch with torchrun or "
                 "`meshpipe launch -n N script.py`, or call torch.distributed.init_process_group"
             )
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        # on CUDA: NCCL for device tensors, gloo beside it for the few CPU-side messages
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     world = dist.get_world_size()
     product = sizes[0] * sizes[1] * sizes[2]
@@ -117,3 +123,23 @@ class Topology:
             coords={axis: mesh.get_local_rank(axis) for axis in names},
             axis_sizes=sizes,
         )
+
+
+def pp_channels(topo: Topology, timeout: float) -> Channels:
+    """The groups of this process's transfers along pp: data on the pp group itself, and a
+    gloo group over the same ranks for control messages (made here, by the pp group's
+    members only). On CUDA the pp group's NCCL communicator is set up eagerly, so that the
+    first batched send/receive need not involve every rank of the group."""
+    ranks = topo.pp_global_ranks
+    if topo.pp_size == 1:
+        return Channels(topo.pp_group, topo.pp_group, ranks, batched=False)
+    ctrl = dist.new_group(
+        list(ranks),
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=timeout),
+        use_local_synchronization=True,
+    )
+    cuda = topo.device.type == "cuda"
+    if cuda:
+        dist.all_reduce(torch.zeros(1, device=topo.device), group=topo.pp_group)
+    return Channels(topo.pp_group, ctrl, ranks, batched=cuda)
