@@ -6,259 +6,202 @@ before it has completed; a group completes when all its operations have; a send 
 once the matching receive has been posted (in a posted group), a receive once the matching
 send has. Per ordered pair of ranks (src, dst), the k-th send from src to dst matches the
 k-th receive on dst from src. A send and its receive are thus one meeting: each waits for
-the other's group to be posted, and which of the two ends is the send does not matter.
+the other's group to be posted, whichever end is the send.
 
-The check runs that model to its fixpoint with a worklist (each rank resumes only when the
+The check plays that model out to its fixpoint with a worklist (a rank resumes only once the
 peer it waits for has posted the group it needs), in time linear in the number of
-operations. On a deadlock it follows, from a stuck rank, the peer each stuck rank waits
-for until a rank repeats, and reports that cycle. Imports no torch.
+operations. On a deadlock it follows, from the lowest stuck rank, the peer each stuck rank
+waits for until a rank repeats, and reports that cycle. Imports no torch.
 """
 
 from __future__ import annotations
 
 import sys
+from itertools import chain, repeat
 
 from meshpipe.errors import ScheduleError
-from meshpipe.schedule.ir import Action, Op, Schedule
+from meshpipe.schedule.ir import Action, Schedule
 from meshpipe.schedule.program import P2P, Program, p2p_program, program_positions
 
 __all__ = ["check_rendezvous"]
 
-_NEVER = sys.maxsize  # the group an unmatched operation waits for: never posted
+_NEVER = sys.maxsize  # what an operation nothing matches waits for: never reached
 
-
-class _Flat:
-    """A program as flat lists per rank, one entry per operation in posting order.
-
-    ``peer[r][j]`` is the rank operation j waits for, ``need[r][j]`` the index of that
-    peer's group holding the matching operation (``_NEVER``: none), ``group[r][j]`` the index
-    of rank r's own group holding operation j; ``num_groups[r]`` counts rank r's groups.
-    """
-
-    __slots__ = ("peer", "need", "group", "num_groups")
-
-    def __init__(self, num_ranks: int) -> None:
-        self.peer: list[list[int]] = [[] for _ in range(num_ranks)]
-        self.need: list[list[int]] = [[] for _ in range(num_ranks)]
-        self.group: list[list[int]] = [[] for _ in range(num_ranks)]
-        self.num_groups: list[int] = [0] * num_ranks
-
-    def as_tuple(self) -> tuple[object, ...]:
-        return (self.peer, self.need, self.group, self.num_groups)
+# A program in flat form, per rank one entry per operation, in posting order:
+# ``peer[r][j]`` is the rank operation j meets, ``need[r][j]`` the index (in the peer's
+# operations) of the first operation of the peer's group holding the match, or _NEVER.
+# The peer has posted that group exactly when its first unfinished operation is at or
+# past that index, so the play-out needs no group numbers at all.
+Flat = tuple[list[list[int]], list[list[int]]]
 
 
 def check_rendezvous(schedule: Schedule, program: Program | None = None) -> None:
     """Raise ScheduleError unless ``program`` (default: ``p2p_program(schedule)``) runs to
     the end under rendezvous semantics; the error names the ranks of a wait-for cycle, the
-    operation and group each is stuck in, and the actions involved."""
-    flat = _flatten_schedule(schedule) if program is None else _flatten_program(program)
-    ptr = _run(flat)
-    if any(j < len(ops) for j, ops in zip(ptr, flat.peer)):  # noqa: B905 - same length
-        _raise_deadlock(schedule, program, flat, ptr)
+    group and operation each is stuck on, and the actions involved."""
+    flat = flatten_program(p2p_program(schedule) if program is None else program)
+    peer = flat[0]
+    stuck = _play(flat)
+    if any(j < len(ops) for j, ops in zip(stuck, peer)):  # noqa: B905 - same length
+        _raise_deadlock(schedule, program, flat, stuck)
 
 
-def _flatten_schedule(schedule: Schedule) -> _Flat:
-    """The flat form of ``p2p_program(schedule)``, built from the actions directly (that
-    function builds a Transfer per message; this is the fast path of validate)."""
-    place, p = schedule.placement, schedule.num_ranks
-    last = len(place) - 1
-
-    def peer(src_stage: int, dst_stage: int) -> int:
-        if not 0 <= src_stage <= last or not 0 <= dst_stage <= last:
-            return -1
-        return -1 if place[src_stage] == place[dst_stage] else place[dst_stage]
-
-    stages = range(last + 1)
-    # per stage: (rank the F receives from, rank the F sends to), the same for B and I
-    fwd = [(peer(s, s - 1), peer(s, s + 1)) for s in stages]
-    bwd = [(peer(s, s + 1), peer(s, s - 1)) for s in stages]
-    nothing = (-1, -1)
-    op_f, op_w = Op.F, Op.W
-    # per (pair, side) code ``2 * (src * p + dst) + is_send``: group indices in posting order
-    groups_of: list[list[int]] = [[] for _ in range(2 * p * p)]
-    codes: list[list[int]] = []
-    flat = _Flat(p)
-    for rank, row in enumerate(schedule.actions):
-        peers, grp, code = flat.peer[rank], flat.group[rank], []
-        g, pending = 0, -1  # pending: the rank the previous action's output goes to
-        for a in row:
-            op = a.op
-            src, dst = nothing if op is op_w else fwd[a.stage] if op is op_f else bwd[a.stage]
-            if pending >= 0 or src >= 0:
-                if pending >= 0:
-                    c = 2 * (rank * p + pending) + 1
-                    peers.append(pending)
-                    grp.append(g)
-                    code.append(c)
-                    groups_of[c].append(g)
-                if src >= 0:
-                    c = 2 * (src * p + rank)
-                    peers.append(src)
-                    grp.append(g)
-                    code.append(c)
-                    groups_of[c].append(g)
-                g += 1
-            pending = dst
-        if pending >= 0:
-            c = 2 * (rank * p + pending) + 1
-            peers.append(pending)
-            grp.append(g)
-            code.append(c)
-            groups_of[c].append(g)
-            g += 1
-        flat.num_groups[rank] = g
-        codes.append(code)
-    _resolve(flat, codes, groups_of)
-    return flat
-
-
-def _flatten_program(program: Program) -> _Flat:
+def flatten_program(program: Program) -> Flat:
     """The flat form of any program; refuses an operation whose peer is not another rank."""
     p = len(program)
-    groups_of: list[list[int]] = [[] for _ in range(2 * p * p)]
+    firsts: list[list[int]] = [[] for _ in range(2 * p * p)]
     codes: list[list[int]] = []
-    flat = _Flat(p)
     for rank, groups in enumerate(program):
-        code: list[int] = []
+        ops: list[int] = []
         for g, group in enumerate(groups):
+            start = len(ops)
             for op in group:
-                if not 0 <= op.peer < p or op.peer == rank:
+                if not 0 <= op.peer < p or op.peer == rank or op.op not in ("send", "recv"):
                     raise ScheduleError(
-                        f"rank {rank}'s group {g} has {op}: a peer must be another of the "
-                        f"{p} ranks",
+                        f"rank {rank}'s group {g} holds '{op}': an operation is a send or a "
+                        f"recv with another of the {p} ranks",
                         rank=rank,
                     )
                 send = op.op == "send"
                 c = 2 * ((rank * p + op.peer) if send else (op.peer * p + rank)) + send
-                flat.peer[rank].append(op.peer)
-                flat.group[rank].append(g)
-                code.append(c)
-                groups_of[c].append(g)
-        flat.num_groups[rank] = len(groups)
-        codes.append(code)
-    _resolve(flat, codes, groups_of)
-    return flat
+                firsts[c].append(start)
+                ops.append(c)
+        codes.append(ops)
+    return _resolve(p, codes, firsts)
 
 
-def _resolve(flat: _Flat, codes: list[list[int]], groups_of: list[list[int]]) -> None:
-    """Fill ``flat.need``: the k-th send on a pair meets the k-th receive on it."""
-    seen = [0] * len(groups_of)
-    for rank, code in enumerate(codes):
-        need = flat.need[rank]
-        for c in code:
-            k = seen[c]
-            seen[c] = k + 1
-            other = groups_of[c ^ 1]
-            need.append(other[k] if k < len(other) else _NEVER)
+def _resolve(p: int, codes: list[list[int]], firsts: list[list[int]]) -> Flat:
+    """Pair the k-th send of each (src, dst) with the k-th receive: a code's partner is
+    ``code ^ 1``, and every code belongs to one rank, which posts its operations in order."""
+    # per code: a callable giving, at its k-th call, where the partner of the k-th op waits
+    nexts = [chain(firsts[c ^ 1], repeat(_NEVER)).__next__ for c in range(2 * p * p)]
+    peer_of = [(c >> 1) % p if c & 1 else (c >> 1) // p for c in range(2 * p * p)]
+    peers = [[peer_of[c] for c in ops] for ops in codes]
+    needs = [[nexts[c]() for c in ops] for ops in codes]
+    return peers, needs
 
 
-def _run(flat: _Flat) -> list[int]:
-    """Play the program out; per rank, the index of the operation it is stuck on (the
-    number of its operations when it finished)."""
-    p = len(flat.peer)
-    ptr = [0] * p
-    cur = [g[0] if g else n for g, n in zip(flat.group, flat.num_groups)]  # noqa: B905
+def _play(flat: Flat) -> list[int]:
+    """Run the program to its fixpoint; per rank, the index of the operation it is stuck on
+    (its number of operations when it finished)."""
+    peer, need = flat
+    p = len(peer)
+    at = [0] * p  # per rank: its first unfinished operation (its group is posted)
     waiters: list[list[int]] = [[] for _ in range(p)]  # per rank: the ranks waiting on it
-    blocked_on = [0] * p  # the group index a waiting rank needs its peer to post
+    wants = [0] * p  # per waiting rank: the index its peer must reach
     ready = list(range(p))
     while ready:
         r = ready.pop()
-        peers, needs = flat.peer[r], flat.need[r]
-        j, n = ptr[r], len(peers)
+        peers, needs = peer[r], need[r]
+        j, n = at[r], len(peers)
         while j < n:
             q = peers[j]
-            if cur[q] < needs[j]:
-                blocked_on[r] = needs[j]
+            if at[q] < needs[j]:
+                wants[r] = needs[j]
                 waiters[q].append(r)
                 break
             j += 1
-        ptr[r] = j
-        posted = cur[r] = flat.group[r][j] if j < n else flat.num_groups[r]
+        at[r] = j
         if waiters[r]:
-            still = []
+            still: list[int] = []
             for w in waiters[r]:
-                (ready if blocked_on[w] <= posted else still).append(w)
+                (ready if wants[w] <= j else still).append(w)
             waiters[r] = still
-    return ptr
+    return at
 
 
-def _wait_chain(flat: _Flat, ptr: list[int]) -> tuple[list[int], bool]:
-    """Ranks from the lowest stuck one along 'waits for', up to a cycle (True, the cycle
-    only, lowest rank first) or to an operation that is never matched (False)."""
-    start = next(r for r, j in enumerate(ptr) if j < len(flat.peer[r]))
-    chain: list[int] = []
+def _wait_chain(flat: Flat, stuck: list[int]) -> tuple[list[int], bool]:
+    """Ranks from the lowest stuck one along 'waits for', up to a rank seen before (True,
+    and only the cycle, lowest rank first) or to an operation nothing matches (False)."""
+    peer, need = flat
+    r = next(r for r, j in enumerate(stuck) if j < len(peer[r]))
+    chain_: list[int] = []
     index: dict[int, int] = {}
-    r = start
     while r not in index:
-        index[r] = len(chain)
-        chain.append(r)
-        if flat.need[r][ptr[r]] == _NEVER:
-            return chain, False
-        r = flat.peer[r][ptr[r]]
-    cycle = chain[index[r] :]
+        index[r] = len(chain_)
+        chain_.append(r)
+        if need[r][stuck[r]] == _NEVER:
+            return chain_, False
+        r = peer[r][stuck[r]]
+    cycle = chain_[index[r] :]
     low = cycle.index(min(cycle))
     return cycle[low:] + cycle[:low], True
 
 
+class _Where:
+    """Locates operations of a program: group index, P2P and (when the program is the
+    schedule's own) the action involved."""
+
+    def __init__(self, schedule: Schedule, program: Program | None) -> None:
+        self.schedule = schedule
+        self.program = program
+        self.known = program is None or program == p2p_program(schedule)
+        self._cache: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
+
+    def groups(self, rank: int) -> tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]:
+        if rank not in self._cache:
+            if self.program is None:
+                self._cache[rank] = program_positions(self.schedule, rank)
+            else:
+                known = program_positions(self.schedule, rank)[1] if self.known else ()
+                self._cache[rank] = (self.program[rank], known)
+        return self._cache[rank]
+
+    def op(self, rank: int, j: int) -> tuple[int, P2P, tuple[int, Action] | None]:
+        """(group index, operation, (position, action) or None) of operation ``j``."""
+        groups, positions = self.groups(rank)
+        for g, group in enumerate(groups):
+            if j < len(group):
+                if not positions:
+                    return g, group[j], None
+                pos = positions[g] - 1 if group[j].op == "send" else positions[g]
+                return g, group[j], (pos, self.schedule.actions[rank][pos])
+            j -= len(group)
+        raise IndexError(f"rank {rank} has no operation {j}")  # internal, not user input
+
+    def group_action(self, rank: int, start: int, other: str) -> str:
+        """Group index of operation ``start`` and the action an ``other`` there is for."""
+        g, _op, _at = self.op(rank, start)
+        positions = self.groups(rank)[1]
+        if not positions:
+            return f"its group {g}"
+        pos = positions[g] - 1 if other == "send" else positions[g]
+        role = "after" if other == "send" else "for"
+        return f"its group {g}, {role} {self.schedule.actions[rank][pos]} (position {pos})"
+
+
 def _raise_deadlock(
-    schedule: Schedule, program: Program | None, flat: _Flat, ptr: list[int]
+    schedule: Schedule, program: Program | None, flat: Flat, stuck: list[int]
 ) -> None:
-    ranks, is_cycle = _wait_chain(flat, ptr)
-    own = p2p_program(schedule)
-    known = program is None or program == own  # positions only mean something then
-    prog = own if program is None else program
-    ops = [[op for group in groups for op in group] for groups in prog]
-    positions = [program_positions(schedule, r)[1] if known else () for r in ranks]
+    ranks, is_cycle = _wait_chain(flat, stuck)
+    where = _Where(schedule, program)
     lines = []
-    for r, pos in zip(ranks, positions):  # noqa: B905 - same length
-        j = ptr[r]
-        lines.append(_describe(schedule, r, flat.group[r][j], ops[r][j], pos))
-        lines[-1] += _describe_match(schedule, flat.peer[r][j], flat.need[r][j], ops[r][j], known)
-    r0, first = ranks[0], ops[ranks[0]][ptr[ranks[0]]]
-    at = _action_of(schedule, r0, flat.group[r0][ptr[r0]], first, positions[0])
-    head = (
-        "the p2p program deadlocks when a send completes only once its receive is posted "
-        "(rendezvous, as NCCL for large messages): "
-        + ("ranks " + " -> ".join(map(str, [*ranks, r0])) + " wait for each other in a cycle"
-           if is_cycle else "a chain of ranks ends at an operation nothing matches")
-    )
-    marker = (r0, at[0]) if at is not None else None
+    for r in ranks:
+        g, op, at = where.op(r, stuck[r])
+        role = "the output of" if op.op == "send" else "the input of"
+        text = f"rank {r} is stuck in its group {g} on {op}"
+        if at is not None:
+            text += f", {role} {at[1]} (position {at[0]})"
+        other, h = ("receive" if op.op == "send" else "send"), flat[1][r][stuck[r]]
+        if h == _NEVER:
+            text += f", but rank {op.peer} never posts the matching {other}"
+        else:
+            text += f", whose {other} rank {op.peer} posts only in "
+            text += where.group_action(op.peer, h, other)
+        lines.append(text)
+    first = where.op(ranks[0], stuck[ranks[0]])[2]
+    if is_cycle:
+        what = "ranks " + " -> ".join(map(str, [*ranks, ranks[0]])) + " wait for each other"
+    else:
+        what = "waits from rank " + " to rank ".join(map(str, ranks)) + " end at an operation"
+        what += " nothing matches"
     raise ScheduleError(
-        f"{head}: " + "; ".join(lines) + "\n" + schedule.grid(marker=marker),
-        rank=r0,
-        position=None if at is None else at[0],
-        action=None if at is None else at[1],
+        "the p2p program deadlocks when a send completes only once its receive is posted "
+        f"(rendezvous, as NCCL for large messages): {what}: "
+        + "; ".join(lines)
+        + "\n"
+        + schedule.grid(marker=None if first is None else (ranks[0], first[0])),
+        rank=ranks[0],
+        position=None if first is None else first[0],
+        action=None if first is None else first[1],
     )
-
-
-def _action_of(
-    schedule: Schedule, rank: int, g: int, op: P2P, positions: tuple[int, ...]
-) -> tuple[int, Action] | None:
-    """(position, action) an operation belongs to: a send to the action whose output it
-    carries (before the group's position), a receive to the action it feeds."""
-    if not positions:
-        return None
-    pos = positions[g] - 1 if op.op == "send" else positions[g]
-    return pos, schedule.actions[rank][pos]
-
-
-def _describe(
-    schedule: Schedule, rank: int, g: int, op: P2P, positions: tuple[int, ...]
-) -> str:
-    at = _action_of(schedule, rank, g, op, positions)
-    role = "the output of" if op.op == "send" else "the input of"
-    where = "" if at is None else f", {role} {at[1]} (position {at[0]})"
-    return f"rank {rank} is stuck in its group {g} on {op}{where}"
-
-
-def _describe_match(schedule: Schedule, peer: int, h: int, op: P2P, known: bool) -> str:
-    other = "receive" if op.op == "send" else "send"
-    if h == _NEVER:
-        return f", but rank {peer} never posts the matching {other}"
-    text = f", whose {other} rank {peer} posts only in its group {h}"
-    if not known:
-        return text
-    pos = program_positions(schedule, peer)[1][h]
-    if other == "receive":
-        return text + f", for {schedule.actions[peer][pos]} (position {pos})"
-    return text + f", after {schedule.actions[peer][pos - 1]} (position {pos - 1})"

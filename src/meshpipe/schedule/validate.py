@@ -13,6 +13,13 @@ Rules, checked in this order (the first broken one is reported):
 3. **Matchable and deadlock-free** under :mod:`meshpipe.schedule.comm`: between two ranks,
    receives are posted in the order of the matching sends, and replaying every rank's row
    with blocking receives and non-blocking sends runs to the end.
+4. **Deadlock-free with rendezvous sends** (on by default; ``rendezvous=False`` skips it;
+   see :mod:`meshpipe.schedule.rendezvous`): the point-to-point program the runtime posts
+   (:func:`~meshpipe.schedule.program.p2p_program`: per rank, groups of sends and receives
+   posted one after another, each once the one before it has completed) runs to the end when
+   a send completes only once its matching receive is posted, as NCCL does for large
+   messages. A refusal names the ranks of the wait-for cycle, the group and operation each
+   is stuck on, and the actions that produce and consume those messages.
 
 Errors are :class:`~meshpipe.errors.ScheduleError` carrying ``rank``, ``position`` and
 ``action`` of the offending cell, and the grid with that cell bracketed. When what is wrong
@@ -25,18 +32,22 @@ from __future__ import annotations
 
 from meshpipe.errors import ScheduleError
 from meshpipe.schedule.ir import Action, Op, Schedule
+from meshpipe.schedule.rendezvous import check_rendezvous
 from meshpipe.schedule.replay import check_dataflow
 
 __all__ = ["validate"]
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError unless ``schedule`` is complete, ordered and deadlock-free."""
+def validate(schedule: Schedule, *, rendezvous: bool = True) -> None:
+    """Raise ScheduleError unless ``schedule`` is complete, ordered and deadlock-free (with
+    ``rendezvous=True``, also when sends complete only once their receives are posted)."""
     table = _index(schedule)
     _check_complete(schedule, table)
     if not _locally_ordered(schedule, table):
         _check_local_order(schedule, table)
     check_dataflow(schedule)
+    if rendezvous:
+        check_rendezvous(schedule)
 
 
 def _fail(
