@@ -26,6 +26,7 @@ at their next receive or at the end of the step and raise RemoteStageError.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -89,6 +90,7 @@ class _Recv:
     key: DescKey
     desc: Desc | None  # None: the value comes whole on ctrl
     buffers: list[torch.Tensor] = field(default_factory=list)
+    op_indices: list[int] = field(default_factory=list)  # its operations in the group's batch
     works: list[Any] = field(default_factory=list)
 
 
@@ -177,8 +179,9 @@ class Comm:
         self.cache = cache
         self.signatures = signatures
         self.bytes_sent = 0
+        self.ctrl_values_sent = 0  # values sent whole on ctrl (new description keys)
         self.posted: list[tuple[P2P, ...]] = []  # every group posted, for tests and traces
-        self._program: dict[int, tuple[P2P, ...]] = {}
+        self._program: dict[int, list[tuple[P2P, ...]]] = {}
         self._outbox: dict[Transfer, Any] = {}
         self._recvs: dict[Transfer, _Recv] = {}
         self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
@@ -186,11 +189,23 @@ class Comm:
         self._send_peers: set[int] = set()
         self._watchdog = watchdog  # set on CUDA: device waits are stream waits, bounded by it
         self._next_position = 0
+        # debugging aid: run the program under the validator's model, each group waited for
+        # (sends too) before the next is posted; on gloo, where large sends are rendezvous,
+        # a program that is not deadlock-free then hangs for real
+        self.strict = os.environ.get("MESHPIPE_P2P_STRICT", "") == "1"
+        self._last_group: list[Any] = []
+        self._waited: dict[int, Any] = {}  # id -> work (kept alive so ids stay unique)
+        # descriptions first seen this step; the cache is only updated when the step ends
+        # well, so both ends of a stream decide "new or known" from the same state
+        self._new_send: dict[DescKey, Desc] = {}
+        self._new_recv: dict[DescKey, Desc] = {}
 
     # -- lifecycle --------------------------------------------------------------------
     def begin(self, groups: Sequence[tuple[P2P, ...]], positions: Sequence[int]) -> None:
         """Start a step with this rank's program: groups and the positions they precede."""
-        self._program = dict(zip(positions, groups, strict=True))
+        self._program = {}
+        for position, group in zip(positions, groups, strict=True):
+            self._program.setdefault(position, []).append(group)
         recv_peers = {op.peer for g in groups for op in g if op.op == "recv"}
         self._send_peers = {op.peer for g in groups for op in g if op.op == "send"}
         self._readers = {p: _Reader(self, p) for p in sorted(recv_peers)}
@@ -215,15 +230,22 @@ class Comm:
         if self._watchdog is not None:
             self._watchdog.check()
         self._readers.clear()
+        self.cache.send.update(self._new_send)
+        self.cache.recv.update(self._new_recv)
 
     # -- the program --------------------------------------------------------------------
     def post(self, position: int) -> None:
-        """Post the group that precedes the action at ``position`` (if there is one)."""
-        self._next_position = position + 1
-        group = self._program.get(position)
-        if group is None:
-            return
+        """Post the group(s) that precede the action at ``position``."""
+        for group in self._program.get(position, ()):
+            self._post_group(group)
+        self._next_position = position + 1  # a failure before here replays these groups
+
+    def _post_group(self, group: tuple[P2P, ...]) -> None:
         self._raise_remote_error()
+        if self.strict:
+            deadline = time.monotonic() + self.timeout
+            for work in self._last_group:
+                self._wait(work, deadline, "the previous group (strict mode)", -1)
         ops: list[tuple[str, torch.Tensor, int]] = []
         recvs: list[_Recv] = []
         for op in group:
@@ -232,9 +254,9 @@ class Comm:
             else:
                 recvs.append(self._prepare_recv(op, ops))
         works = self._issue(ops)
+        self._last_group = works
         for r in recvs:
-            # a group holds at most one receive
-            r.works = [w for w, (kind, _t, _p) in zip(works, ops, strict=True) if kind == "recv"]
+            r.works = [works[k] for k in r.op_indices]
             self._recvs[r.transfer] = r
         self.posted.append(group)
 
@@ -270,25 +292,31 @@ class Comm:
         tensors, desc = describe(value)
         key = self._key(op.peer, op.transfer)
         known = self.cache.send.get(key)
-        if known is None:  # first of its key: the whole value on ctrl, described
+        if known is None:  # a key new this step: the whole value on ctrl, described
+            earlier = self._new_send.setdefault(key, desc)
+            if earlier != desc:
+                raise self._changed(op.transfer, desc, earlier)
             buf = wire.pack(op.transfer, value, _CPU)  # copies to the host: not steady state
             header = wire.make_header({"n": buf.numel()}, _CPU)
             self._sends.append((self._ctrl_send(op.peer, header), [header], op.peer))
             self._sends.append((self._ctrl_send(op.peer, buf), [buf], op.peer))
             self.bytes_sent += header.numel() + buf.numel()
-            self.cache.send[key] = desc
+            self.ctrl_values_sent += 1
             return
         if known != desc:
-            raise PipelineError(
-                f"{op.transfer} has {_show(desc)} but an earlier microbatch with inputs of the "
-                f"same shapes gave {_show(known)}: values crossing stage boundaries must have "
-                "shapes, dtypes and structure that depend only on the shapes of the inputs"
-            )
+            raise self._changed(op.transfer, desc, known)
         for t in tensors:
             if t.numel():
                 t = t.contiguous()
                 ops.append(("send", t, op.peer))
                 self.bytes_sent += t.numel() * t.element_size()
+
+    def _changed(self, transfer: Transfer, desc: Desc, before: Desc) -> PipelineError:
+        return PipelineError(
+            f"{transfer} has {_show(desc)} but an earlier microbatch with inputs of the same "
+            f"shapes gave {_show(before)}: values crossing stage boundaries must have shapes, "
+            "dtypes and structure that depend only on the shapes of the inputs"
+        )
 
     # -- receiving ------------------------------------------------------------------------
     def _prepare_recv(self, op: P2P, ops: list[tuple[str, torch.Tensor, int]]) -> _Recv:
@@ -300,17 +328,14 @@ class Comm:
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
                 r.buffers.append(buf)
                 if buf.numel():
+                    r.op_indices.append(len(ops))
                     ops.append(("recv", buf, op.peer))
         return r
 
     def _take_data(self, r: _Recv, deadline: float, doing: str) -> Any:
         assert r.desc is not None  # internal invariant, not user input
-        for work in r.works:
-            if self._watchdog is not None:  # a stream wait; the watchdog bounds it
-                work.wait()
-                self._watchdog.watch(work, deadline, f"rank {self.rank}: {doing} <- rank {r.peer}")
-            else:
-                self._wait(work, deadline, f"{doing}: receive", r.peer)
+        for work in r.works:  # on CUDA a stream wait, bounded by the watchdog
+            self._wait(work, deadline, f"{doing}: receive", r.peer)
         self._raise_remote_error()
         leaves = []
         for buf, (_dt, _shape, rg) in zip(r.buffers, r.desc.leaves, strict=True):
@@ -328,7 +353,7 @@ class Comm:
                 "the ranks are running different schedules or microbatch counts"
             )
         tensors, desc = describe(value)
-        self.cache.recv[r.key] = desc
+        self._new_recv.setdefault(r.key, desc)
         moved = [
             t.detach().to(self.device).requires_grad_(rg and t.is_floating_point())
             for t, (_d, _s, rg) in zip(tensors, desc.leaves, strict=True)
@@ -368,8 +393,11 @@ class Comm:
             except Exception:  # the peer may be gone already
                 log.debug("could not notify rank %d of the failure", peer, exc_info=True)
         ops: list[tuple[str, torch.Tensor, int]] = []
-        for position in sorted(p for p in self._program if p >= self._next_position):
-            for op in self._program[position]:
+        rest = [
+            g for p in sorted(self._program) if p >= self._next_position for g in self._program[p]
+        ]
+        for group in rest:
+            for op in group:
                 key = self._key(op.peer, op.transfer)
                 desc = (self.cache.send if op.op == "send" else self.cache.recv).get(key)
                 for dtype, shape, _rg in desc.leaves if desc is not None else ():
@@ -428,6 +456,11 @@ class Comm:
         return buf
 
     def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
+        # gloo's point-to-point works wait for one more completion on every wait() call:
+        # never wait for the same work twice
+        if id(work) in self._waited:
+            return
+        self._waited[id(work)] = work
         if self._watchdog is not None:  # device work: never block the host on it
             work.wait()
             self._watchdog.watch(work, deadline, f"rank {self.rank}: {what} with rank {peer}")
