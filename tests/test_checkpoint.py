@@ -168,6 +168,13 @@ class Planted:
         return (os.system, (f"touch {self.marker}",))
 
 
+def drop_checksums(directory: Path) -> None:
+    """Remove the record's checksums, as an attacker who rewrites the record could."""
+    record = json.loads((directory / "meshpipe.json").read_text())
+    del record["checksums"]
+    (directory / "meshpipe.json").write_text(json.dumps(record))
+
+
 def test_planted_metadata_is_not_unpickled(tmp_path: Path) -> None:
     import pickle
 
@@ -175,6 +182,9 @@ def test_planted_metadata_is_not_unpickled(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     with open(tmp_path / "c" / ".metadata", "wb") as f:
         pickle.dump(Planted(marker), f)
+    with pytest.raises(ck.CheckpointError, match=r"\.metadata: \d+ bytes, expected"):
+        ck.load(net(), tmp_path / "c")  # the recorded checksum refuses it first
+    drop_checksums(tmp_path / "c")  # the restricted unpickler does not rely on the record
     with pytest.raises(ck.CheckpointError, match="refusing to unpickle"):
         ck.load(net(), tmp_path / "c")
     assert not marker.exists()
@@ -190,6 +200,7 @@ def test_planted_bytes_item_is_not_unpickled(tmp_path: Path) -> None:
     state["model.0.weight"] = Planted(marker)  # DCP pickles non-tensor values
     dcp_save(state, checkpoint_id=str(evil), no_dist=True)
     shutil.copy(tmp_path / "good" / "meshpipe.json", evil / "meshpipe.json")
+    drop_checksums(evil)  # the checksums are good's, not evil's
     with pytest.raises(ck.CheckpointError, match="'model.0.weight' holds pickled bytes"):
         ck.load(net(), evil)
     assert not marker.exists()

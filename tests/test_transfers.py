@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -140,6 +141,45 @@ def _negative_control(mesh: Any) -> str:
     return "none"
 
 
+_SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def _host_reads(mesh: Any, name: str) -> list[str]:
+    """Calls that would make the host wait for a GPU, during a steady-state step (the
+    third), with where they came from. On CPU they cost nothing, so count them instead."""
+    import traceback
+
+    net = blocks(8)
+    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    for _ in range(2):
+        pipe.step(x, target=y)
+    seen: list[str] = []
+    originals = {m: getattr(torch.Tensor, m) for m in _SYNCING}
+
+    def counting(method: str) -> Any:
+        def wrapper(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                # the ctrl reader thread reads CPU-side messages: never a device wait
+                return originals[method](self, *a, **k)
+            frames = [f for f in traceback.extract_stack()[:-1] if "meshpipe" in f.filename]
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "outside"
+            seen.append(f"{method} at {where}")
+            return originals[method](self, *a, **k)
+
+        return wrapper
+
+    for m in _SYNCING:
+        setattr(torch.Tensor, m, counting(m))
+    try:
+        loss = pipe.step(x, target=y)
+    finally:
+        for m, f in originals.items():
+            setattr(torch.Tensor, m, f)
+    assert loss.dim() == 0
+    return seen
+
+
 def _all(_: None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = meshpipe.init_mesh(pp=2)
@@ -149,9 +189,13 @@ def _all(_: None = None) -> dict[str, Any]:
     os.environ["MESHPIPE_P2P_STRICT"] = "1"  # the validator's model, enforced on the host
     for name in ("1f1b", "interleaved_1f1b", "zbv"):
         out[f"large-{name}"] = _large_case(mesh, name)
-    out["negative_control"] = _negative_control(mesh)
     del os.environ["MESHPIPE_P2P_STRICT"]
     out["data_dependent"] = _data_dependent(mesh)
+    for name in ("1f1b", "zbv"):
+        out[f"host-{name}"] = _host_reads(mesh, name)
+    # last: a timed-out wait makes gloo close the connection, so nothing runs after it
+    os.environ["MESHPIPE_P2P_STRICT"] = "1"
+    out["negative_control"] = _negative_control(mesh)
     return out
 
 
@@ -192,3 +236,11 @@ def test_strict_mode_catches_a_program_that_is_not_rendezvous_safe(
 ) -> None:
     assert {r["negative_control"] for r in results} <= {"CommTimeoutError", "RemoteStageError"}
     assert any(r["negative_control"] == "CommTimeoutError" for r in results)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_steady_state_step_reads_nothing_on_the_host(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    for rank, res in enumerate(results):
+        assert res[f"host-{name}"] == [], f"rank {rank}: {res[f'host-{name}']}"

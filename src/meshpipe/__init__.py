@@ -19,6 +19,8 @@ _LAZY: dict[str, str] = {
     "get_schedule": "meshpipe.schedule.registry",
     "schedule_names": "meshpipe.schedule.registry",
     "validate": "meshpipe.schedule.validate",
+    "P2P": "meshpipe.schedule.program",
+    "p2p_program": "meshpipe.schedule.program",
     # simulation (no torch)
     "Cost": "meshpipe.sim.simulate",
     "Timeline": "meshpipe.sim.simulate",

@@ -39,7 +39,14 @@ def _worker(
     args: tuple[Any, ...],
     results: Any,
     threads: int,
+    device: str,
 ) -> None:
+    if device == "cuda":
+        # a testing aid, never for training: NCCL refuses two ranks on one GPU ("Duplicate
+        # GPU detected") unless each process claims a host of its own; it then joins them
+        # over its socket transport on the loopback interface
+        os.environ.update(NCCL_HOSTID=f"meshpipe-test-host-{rank}", NCCL_SOCKET_IFNAME="lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -71,6 +78,7 @@ def run_on_ranks(
     *args: Any,
     timeout: float = 120.0,
     threads_per_rank: int = 1,
+    device: str = "cpu",
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes; return each rank's result.
 
@@ -79,16 +87,23 @@ def run_on_ranks(
     importable (a module-level function) and its result picklable. Raises RankFailure with
     every failing rank's traceback, or when ranks are still running after ``timeout``
     seconds (they are killed).
+
+    ``device="cuda"`` lets several ranks share the machine's GPUs (LOCAL_RANK modulo the
+    GPU count, as ``init_mesh`` maps it; each process claims an ``NCCL_HOSTID`` of its own
+    so NCCL accepts two ranks on one GPU): a testing aid for NCCL code on one GPU, far
+    slower than real multi-GPU communication and never meant for training.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, port, args, results, threads_per_rank),
+            args=(fn, r, world_size, port, args, results, threads_per_rank, device),
             daemon=True,
         )
         for r in range(world_size)

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from meshpipe.checkpoint import atomic
+from meshpipe.checkpoint import atomic, verify
 from meshpipe.checkpoint.errors import CheckpointError
 from meshpipe.checkpoint.extra import decode, encode
 from meshpipe.checkpoint.safe_reader import SafeLoadPlanner, SafeReader, read_metadata
@@ -49,6 +49,29 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _failures(e: CheckpointException) -> str:
+    """One line per failing process of a DCP exception (its message cut to 300 characters)."""
+    parts = []
+    for rank, (exc, _) in sorted(e.failures.items()):
+        text = str(exc) if len(str(exc)) <= 300 else str(exc)[:300] + " ..."
+        kind = "" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: "
+        parts.append(f"rank {rank}: {kind}{text}")
+    return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str, path: str) -> Iterator[None]:
+    """DCP's CheckpointException (a BaseException, raised on every process) as CheckpointError.
+
+    The message names ``path`` and each process's error; DCP's tracebacks go to the debug log.
+    """
+    try:
+        yield
+    except CheckpointException as e:
+        log.debug("DCP failed to %s: %s", what, e)
+        raise CheckpointError(f"cannot {what}: {_failures(e)}", path=path) from None
 
 
 def _local_save_state(
@@ -111,29 +134,65 @@ def save(
     infos = t.all_gather(info)
     optim_record = _agree(infos, path)  # the same checks, and result, on every process
     staged = atomic.staging_dir(path, infos[0]["token"])
-    writer = FileSystemWriter(staged, single_file_per_rank=True, sync_files=True, overwrite=False)
-    with _quiet_single_process():
+    writer = verify.RecordingWriter(
+        staged, single_file_per_rank=True, sync_files=True, overwrite=False
+    )
+    with _quiet_single_process(), _dcp_errors(f"save to {path}", path):
         dcp_save(
             state, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=not t.distributed
         )
-    error = None
+    summing = time.perf_counter()
+    files, error = _sum_written(t, staged, writer.written)
+    summing = time.perf_counter() - summing
     if t.rank == 0:
-        try:
-            record = {
-                "format": FORMAT,
-                "version": VERSION,
-                "torch": torch.__version__,
-                "layout": t.layout,
-                "optimizer": optim_record,
-                "extra": {str(r): i["extra"] for r, i in enumerate(infos)},
-            }
-            atomic.write_json(os.path.join(staged, atomic.MARKER), record)
-            atomic.publish(staged, path, infos[0]["token"])
-        except (CheckpointError, OSError) as e:
-            error = f"cannot save to {path}: {type(e).__name__}: {e}"
-            atomic.remove_quietly(staged)
+        record = {
+            "format": FORMAT,
+            "version": VERSION,
+            "torch": torch.__version__,
+            "layout": t.layout,
+            "optimizer": optim_record,
+            "extra": {str(r): i["extra"] for r, i in enumerate(infos)},
+        }
+        error = _commit(staged, path, infos[0]["token"], record, files, error)
     t.fail_together(error)
-    log.info("saved %s (%d local tensors) in %.2fs", path, len(state), time.perf_counter() - start)
+    log.info(
+        "saved %s (%d local tensors) in %.2fs (checksums %.2fs)",
+        path, len(state), time.perf_counter() - start, summing,
+    )  # fmt: skip
+
+
+def _sum_written(t: Target, staged: str, written: set[str]) -> tuple[verify.Sums, str | None]:
+    """Size and checksum of every file DCP wrote (and rank 0's .metadata), on rank 0."""
+    report: dict[str, Any] = {"error": None, "files": {}}
+    names = written | ({verify.METADATA} if t.rank == 0 else set())
+    try:
+        report["files"] = verify.sum_files(staged, names)
+    except OSError as e:
+        report["error"] = f"rank {t.rank} cannot checksum the files it wrote: {e}"
+    reports = t.gather_to_0(report)  # empty on ranks other than 0
+    files = {name: entry for r in reports for name, entry in r["files"].items()}
+    errors = [r["error"] for r in reports if r["error"] is not None]
+    return files, "; ".join(errors) or None
+
+
+def _commit(
+    staged: str,
+    path: str,
+    token: str,
+    record: dict[str, Any],
+    files: verify.Sums,
+    error: str | None,
+) -> str | None:
+    """Rank 0: write the record with its checksums and publish; the error, if any."""
+    try:
+        if error is not None:
+            raise CheckpointError(error, path=path)
+        atomic.write_json(os.path.join(staged, atomic.MARKER), verify.seal(record, files))
+        atomic.publish(staged, path, token)
+    except (CheckpointError, OSError) as e:
+        atomic.remove_quietly(staged)
+        return f"cannot save to {path}: {type(e).__name__}: {e}"
+    return None
 
 
 def _read_record(directory: str) -> dict[str, Any]:
@@ -162,12 +221,34 @@ def _extra_for(t: Target, record: dict[str, Any]) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _checksums(t: Target, directory: str, record: dict[str, Any]) -> verify.Sums | None:
+    """The record's file checksums, ``.metadata`` checked; None (warned) for an old checkpoint."""
+    sums = verify.recorded(record, os.path.join(directory, atomic.MARKER))
+    if sums is None:
+        if t.rank == 0:
+            log.warning(
+                "%s records no checksums (saved before meshpipe verified checkpoints): "
+                "loading it unverified",
+                directory,
+            )
+        return None
+    verify.check_metadata(directory, sums)
+    return sums
+
+
 def _plan_load(
     t: Target, directory: str, optimizer: torch.optim.Optimizer | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """This process's DCP request, the checkpoint record, and what it found wrong."""
+    """This process's DCP request, the checkpoint record, and what it found wrong.
+
+    The files are checked against the record's checksums first: ``.metadata`` by every
+    process before unpickling it, the data files shared out over the processes.
+    """
     record = _read_record(directory)
+    sums = _checksums(t, directory, record)
     metadata = read_metadata(directory)
+    if sums is not None:
+        verify.check_data(directory, sums, metadata, t.rank, t.world_size)
     saved = checkpoint_shapes(metadata, MODEL, directory)
     local = model_state(t.modules)
     missing, mismatched = compare(local, saved)
@@ -215,7 +296,7 @@ def load(
     infos = t.all_gather(found)
     raise_gathered(infos, f"load {path}", path)
     check_match(path, infos, infos[0]["saved"], strict)
-    with _quiet_single_process():
+    with _quiet_single_process(), _dcp_errors(f"load {path}", path):
         dcp_load(
             request,
             storage_reader=SafeReader(directory),

@@ -4,11 +4,13 @@ DCP's FileSystemReader reads ``.metadata`` with ``pickle.load`` and loads non-te
 with ``torch.load(weights_only=False)``: either can run code planted in a checkpoint. Here
 the metadata is unpickled by an unpickler that resolves only DCP's own metadata classes,
 ``torch.Size``, dtypes, layouts and paths; tensors are read by DCP with
-``torch.load(weights_only=True)``; and the load planner refuses non-tensor items.
+``torch.load(weights_only=True)``; and the load planner refuses non-tensor items. The reader
+reads one file at a time, so that an error names the file it was reading.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -19,7 +21,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from meshpipe.checkpoint.errors import CheckpointError
 
@@ -100,6 +103,25 @@ class SafeReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, file by file: a failure is a CheckpointError naming the file."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            name = str(self.storage_data[item.storage_index].relative_path)
+            per_file.setdefault(name, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointError:
+                raise
+            except Exception as e:
+                file = str(self._dir / name)
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                raise CheckpointError(f"{file}: cannot be read: {why}", path=file) from e
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

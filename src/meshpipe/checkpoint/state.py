@@ -241,9 +241,15 @@ def apply_optimizer(
 
 def raise_gathered(infos: list[dict[str, Any]], what: str, path: str) -> None:
     """Raise the same CheckpointError on every process if any process reported an error."""
-    errors = {r: i["error"] for r, i in enumerate(infos) if i["error"] is not None}
-    if errors:
-        text = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+    ranks: dict[str, list[int]] = {}  # the same error from several processes is said once
+    for r, info in enumerate(infos):
+        if info["error"] is not None:
+            ranks.setdefault(info["error"], []).append(r)
+    if ranks:
+        text = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}"
+            for e, rs in ranks.items()
+        )
         raise CheckpointError(f"cannot {what}: {text}", path=path)
 
 

@@ -41,6 +41,7 @@ class DemoOptions:
     lr: float
     seed: int
     layers: int  # 0: as many as needed, at least 4
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
     save: str | None = None  # checkpoint directory written after the last step
     resume: str | None = None  # checkpoint directory to continue from
 
@@ -78,6 +79,13 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--layers", type=int, default=0, help="transformer blocks (default 4)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda: NCCL, one GPU per rank; auto (default): cuda when there are as many GPUs "
+        "as ranks, else cpu",
+    )
     p.add_argument("--save", metavar="DIR", default=None, help="save a checkpoint at the end")
     p.add_argument(
         "--resume",
@@ -138,6 +146,7 @@ def resolve(args: argparse.Namespace) -> DemoOptions:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.layers < 0:
         raise ValueError(f"--layers must be >= 0, got {args.layers}")
+    device = _device(getattr(args, "device", "auto"), ranks)
     return DemoOptions(
         ranks=ranks,
         pp=mesh["pp"],
@@ -151,9 +160,25 @@ def resolve(args: argparse.Namespace) -> DemoOptions:
         lr=float(args.lr),
         seed=args.seed,
         layers=args.layers,
+        device=device,
         save=args.save,
         resume=args.resume,
     )
+
+
+def _device(choice: str, ranks: int) -> str:
+    """The device the ranks train on: NCCL needs a GPU of its own per rank."""
+    if choice == "cpu":
+        return "cpu"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cuda" and gpus < ranks:
+        raise ValueError(
+            f"--device cuda needs one GPU per rank: {ranks} ranks but {gpus} GPU(s); pass "
+            f"--ranks {max(gpus, 2)} with a matching --mesh, or --device cpu"
+        )
+    return "cuda" if gpus >= ranks else "cpu"
 
 
 def to_argv(opts: DemoOptions) -> list[str]:
@@ -170,6 +195,7 @@ def to_argv(opts: DemoOptions) -> list[str]:
         ("--lr", repr(opts.lr)),
         ("--seed", opts.seed),
         ("--layers", opts.layers),
+        ("--device", opts.device),
     )
     optional = [(flag, v) for flag, v in (("--save", opts.save), ("--resume", opts.resume)) if v]
     return [str(x) for pair in [*pairs, *optional] for x in pair]

@@ -43,7 +43,9 @@ class _Job:
 
 
 def _build(opts: DemoOptions) -> _Job:
-    mesh = meshpipe.init_mesh(pp=opts.pp, dp=opts.dp, timeout=opts.timeout)
+    mesh = meshpipe.init_mesh(
+        pp=opts.pp, dp=opts.dp, device_type=opts.device, timeout=opts.timeout
+    )
     schedule = meshpipe.get_schedule(opts.schedule, opts.pp, opts.microbatches)
     text = make_text(seed=opts.seed)
     tokenizer = CharTokenizer(text)
@@ -145,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.makedirs(opts.out, exist_ok=True)
         print(
             f"meshpipe demo: a {job.num_params / 1e3:.0f}k-parameter GPT learns generated text "
-            f"with {job.pipe.schedule.name} on pp={opts.pp} x dp={opts.dp} "
+            f"with {job.pipe.schedule.name} on pp={opts.pp} x dp={opts.dp} on {opts.device} "
             f"({opts.ranks} ranks" + (f", {startup:.1f} s to start)" if started else ")"),
             flush=True,
         )

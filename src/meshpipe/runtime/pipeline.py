@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshpipe.errors import PipelineError, RemoteStageError, ScheduleError
+from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError, ScheduleError
 from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
 from meshpipe.runtime.microbatch import (
@@ -133,6 +133,7 @@ class Pipeline:
         self._descs = DescCache()
         self._watchdog = Watchdog() if topo.device.type == "cuda" else None
         self._comm_now: Comm | None = None
+        self._broken: str | None = None  # why this pipeline's groups can no longer be used
         self._records: list[ActionRecord] = []
         self._status = RankStatus()
         self._steps = 0
@@ -325,6 +326,11 @@ class Pipeline:
 
     # -- running -----------------------------------------------------------------------
     def _check_batch(self, args: tuple[Any, ...], target: Any, training: bool) -> None:
+        if self._broken is not None:
+            raise PipelineError(
+                f"this Pipeline cannot run any more: {self._broken}; the process group's "
+                "connections are closed after a timeout, so restart the job"
+            )
         if training and self.loss_fn is None:
             raise PipelineError("step() needs a loss_fn: pass loss_fn= to Pipeline")
         if target is not None:
@@ -388,6 +394,9 @@ class Pipeline:
             )
             comm.finish()
         except BaseException as e:
+            if isinstance(e, CommTimeoutError):
+                # gloo closes a connection whose wait timed out, NCCL aborts: no step after it
+                self._broken = f"an earlier step timed out ({e})"
             cause = comm.remote_cause()
             comm.abort(f"{type(e).__name__}: {e}")
             self._descs = DescCache()  # descriptions are unknown after a broken step

@@ -19,10 +19,10 @@ torch.
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
-from meshpipe.schedule.comm import Transfer, wiring
+from meshpipe.schedule.comm import Transfer, Wiring, wiring
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.replay import replay
 
@@ -48,32 +48,98 @@ Program = tuple[tuple[Group, ...], ...]  # per rank: groups in posting order
 
 def _all_ranks(schedule: Schedule) -> list[tuple[list[Group], list[int]]]:
     w = wiring(schedule)
-    events = replay(schedule, lambda _a: 1.0)
-    keys = [[(e.start, rank) for e in row] for rank, row in enumerate(events)]
-    producer: dict[int, tuple[int, int]] = {}  # send code -> (rank, position)
-    at: list[dict[int, list[P2P]]] = [{} for _ in range(schedule.num_ranks)]
-    for rank in range(schedule.num_ranks):
-        for i, (peer, code) in enumerate(zip(w.send_peer[rank], w.send_code[rank], strict=True)):
+    starts = _unit_starts(schedule, w)
+    if starts is None:  # a posting-order mismatch or a deadlock: replay raises saying which
+        starts = [[e.start for e in row] for row in replay(schedule, lambda _a: 1.0)]
+    # per message code: its Transfer (one object for both ends), the producer's rank, start
+    m = schedule.num_microbatches
+    n_codes = 2 * schedule.num_stages * m
+    transfer: dict[int, Transfer] = {}
+    born_rank, born_start = [0] * n_codes, [0.0] * n_codes
+    sends: list[dict[int, P2P]] = []  # per rank: position -> the send posted before it
+    for rank, (peers, codes) in enumerate(zip(w.send_peer, w.send_code, strict=True)):
+        mine, at = starts[rank], {}
+        for i, peer in enumerate(peers):
             if peer >= 0:
-                producer[code] = (rank, i)
-                at[rank].setdefault(i + 1, []).append(P2P("send", peer, w.transfer(code)))
-    for rank in range(schedule.num_ranks):
-        mine = keys[rank]
-        for i, (peer, code) in enumerate(zip(w.recv_peer[rank], w.recv_code[rank], strict=True)):
-            if peer >= 0:
-                src_rank, src_pos = producer[code]
-                j = min(i, bisect.bisect_right(mine, keys[src_rank][src_pos]))
-                at[rank].setdefault(j, []).append(P2P("recv", peer, w.transfer(code)))
+                code = codes[i]
+                stage, mb = divmod(code >> 1, m)
+                t = transfer[code] = (
+                    Transfer("grad", stage, stage - 1, mb) if code & 1 else Transfer("act", stage, stage + 1, mb)
+                )
+                born_rank[code], born_start[code] = rank, mine[i]
+                at[i + 1] = P2P("send", peer, t)
+        sends.append(at)
     out = []
-    for groups in at:
-        positions = sorted(groups)
-        ordered = [
-            tuple(op for op in groups[p] if op.op == "send")
-            + tuple(op for op in groups[p] if op.op == "recv")
-            for p in positions
-        ]
-        out.append((ordered, positions))
+    for rank, (peers, codes) in enumerate(zip(w.recv_peer, w.recv_code, strict=True)):
+        mine, recvs = starts[rank], {}
+        for i, peer in enumerate(peers):
+            if peer >= 0:
+                code = codes[i]
+                src, t0 = born_rank[code], born_start[code]
+                # the first action here that starts after the producer's start (at equal
+                # starts the lower rank's counts as earlier), at the latest the consumer
+                j = bisect_right(mine, t0) if rank < src else bisect_left(mine, t0)
+                op = P2P("recv", peer, transfer[code])
+                g = recvs.get(j if j < i else i)
+                if g is None:
+                    recvs[j if j < i else i] = [op]
+                else:
+                    g.append(op)
+        at = sends[rank]
+        positions = sorted(at.keys() | recvs.keys())
+        groups = [((at[q],) if q in at else ()) + tuple(recvs.get(q, ())) for q in positions]
+        out.append((groups, positions))
     return out
+
+
+def _unit_starts(schedule: Schedule, w: Wiring) -> list[list[int]] | None:
+    """Start of every action in a replay with unit action times and instant non-blocking
+    sends (what ``replay(schedule, lambda _a: 1.0)`` gives, as ints), or None where that
+    replay raises (a posting-order mismatch or a deadlock)."""
+    p = schedule.num_ranks
+    sent: list[list[int]] = [[] for _ in range(p * p)]  # per pair src * p + dst: codes
+    ends: list[list[int]] = [[] for _ in range(p * p)]  # and the end times of their senders
+    consumed = [0] * (p * p)
+    waiting = [-1] * (p * p)  # the rank blocked on a pair, or -1
+    starts: list[list[int]] = [[] for _ in range(p)]
+    clock = [0] * p
+    ready = list(range(p))
+    while ready:
+        rank = ready.pop()
+        r_peer, r_code = w.recv_peer[rank], w.recv_code[rank]
+        s_peer, s_code = w.send_peer[rank], w.send_code[rank]
+        out, t = starts[rank], clock[rank]
+        i, n = len(out), len(r_peer)
+        while i < n:
+            src = r_peer[i]
+            if src >= 0:
+                pair = src * p + rank
+                k, got = consumed[pair], sent[pair]
+                if k == len(got):
+                    waiting[pair] = rank
+                    break
+                if got[k] != r_code[i]:
+                    return None
+                end = ends[pair][k]
+                if end > t:
+                    t = end
+                consumed[pair] = k + 1
+            out.append(t)
+            t += 1
+            dst = s_peer[i]
+            if dst >= 0:
+                pair = rank * p + dst
+                sent[pair].append(s_code[i])
+                ends[pair].append(t)
+                if waiting[pair] >= 0:
+                    ready.append(waiting[pair])
+                    waiting[pair] = -1
+            i += 1
+        clock[rank] = t
+    done = all(len(out) == len(peers) for out, peers in zip(starts, w.recv_peer, strict=True))
+    if not done or any(k != len(got) for k, got in zip(consumed, sent, strict=True)):
+        return None
+    return starts
 
 
 def p2p_program(schedule: Schedule) -> Program:

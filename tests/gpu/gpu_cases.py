@@ -1,0 +1,145 @@
+"""What the GPU tests run inside each rank. Every case takes ``device`` so that the same code
+can be dry-run on CPU over gloo (``python tests/gpu/gpu_cases.py``) before it meets a GPU."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import meshpipe  # noqa: E402
+
+from parity import SCHEDULES, blocks, dp_batch, grad_diff, mse  # noqa: E402
+
+
+def make_mesh(device: str, plain: bool, **degrees: int) -> Any:
+    """``init_mesh``'s defaults, or a mesh built the torchtitan way on a plain NCCL group
+    (plain gloo on a CPU dry run)."""
+    if not plain:
+        return meshpipe.init_mesh(device_type=device, **degrees)  # type: ignore[arg-type]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    names = tuple(degrees)
+    return init_device_mesh(device, tuple(degrees.values()), mesh_dim_names=names)
+
+
+def _dev(mesh: Any) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def parity_all(device: str, plain: bool) -> dict[str, dict[str, float]]:
+    """Every training schedule at pp=2: one step against one process on the whole batch."""
+    mesh = make_mesh(device, plain, pp=2)
+    dev = _dev(mesh)
+    out: dict[str, dict[str, float]] = {}
+    for name in SCHEDULES:
+        net = blocks(8)
+        ref = copy.deepcopy(net).to(dev)
+        torch.manual_seed(1)
+        x, y = torch.randn(12, 16, device=dev), torch.randn(12, 16, device=dev)
+        pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
+        loss = pipe.step(x, target=y)
+        expected = mse(ref(x), y)
+        expected.backward()
+        out[name] = {
+            "loss": abs(loss.item() - expected.item()),
+            "grad": grad_diff(pipe, ref),
+            "loss_on_device": float(loss.device.type != dev.type),
+        }
+    return out
+
+
+def fsdp_parity(device: str, plain: bool) -> dict[str, dict[str, float]]:
+    """pp=2 x dp=2 with FSDP2 per stage, 1f1b and zbv."""
+    mesh = make_mesh(device, plain, pp=2, dp=2)
+    dev = _dev(mesh)
+    out: dict[str, dict[str, float]] = {}
+    for name in ("1f1b", "zbv"):
+        net = blocks(8)
+        ref = copy.deepcopy(net).to(dev)
+        torch.manual_seed(1)
+        x, y = torch.randn(16, 16, device=dev), torch.randn(16, 16, device=dev)
+        pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse, dp="fsdp")
+        loss = pipe.step(dp_batch(x, mesh), target=dp_batch(y, mesh))
+        expected = mse(ref(x), y)
+        expected.backward()
+        worst = 0.0
+        refs = dict(ref.named_parameters())
+        for pname, p in pipe.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            worst = max(worst, (g - refs[pname].grad).abs().max().item())
+        out[name] = {"loss": abs(loss.item() - expected.item()), "grad": worst}
+    return out
+
+
+def host_syncs(device: str) -> dict[str, int]:
+    """Synchronising CUDA calls in a steady-state step (the third), 1f1b and zbv, m=8."""
+    mesh = make_mesh(device, False, pp=2)
+    out: dict[str, int] = {}
+    for name in ("1f1b", "zbv"):
+        pipe = meshpipe.Pipeline(blocks(8), mesh, name, num_microbatches=8, loss_fn=mse)
+        dev = _dev(mesh)
+        x, y = torch.randn(32, 16, device=dev), torch.randn(32, 16, device=dev)
+        for _ in range(2):
+            pipe.step(x, target=y)
+        if device != "cuda":
+            pipe.step(x, target=y)
+            out[name] = 0
+            continue
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                pipe.step(x, target=y)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        out[name] = sum("synchroniz" in str(w.message) for w in caught)
+    return out
+
+
+def large(device: str, rows: int = 4096, width: int = 4096) -> dict[str, float]:
+    """1f1b, interleaved_1f1b and zbv with activations of ``rows x width`` fp32 per
+    microbatch (64 MiB at the defaults): each step completes (no rendezvous deadlock)."""
+    mesh = make_mesh(device, False, pp=2)
+    dev = _dev(mesh)
+    out: dict[str, float] = {}
+    for name, stages in (("1f1b", 2), ("interleaved_1f1b", 4), ("zbv", 4)):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(width, width) for _ in range(stages)])
+        pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse, timeout=120)
+        x = torch.randn(4 * rows, width, device=dev)
+        for _ in range(2):  # the second step sends tensors as themselves
+            loss = pipe.step(x, target=x)
+        out[name] = float(loss.isfinite().item())
+        del pipe, net
+    return out
+
+
+def _dry_run() -> None:
+    """The GPU cases on CPU over gloo, small: checks their logic, not the GPU."""
+    from meshpipe.testing import run_on_ranks
+
+    for plain in (False, True):
+        print("parity", plain, run_on_ranks(parity_all, 2, "cpu", plain, timeout=300)[0])
+    print("fsdp", run_on_ranks(fsdp_parity, 4, "cpu", True, timeout=300)[0])
+    print("syncs", run_on_ranks(host_syncs, 2, "cpu", timeout=300)[0])
+    print("large", run_on_ranks(large, 2, "cpu", 256, 256, timeout=300)[0])
+
+
+if __name__ == "__main__":
+    _dry_run()

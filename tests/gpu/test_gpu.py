@@ -1,0 +1,49 @@
+"""meshpipe on CUDA with NCCL: parity on every schedule both ways of building the mesh,
+pp=2 x dp=2 with FSDP2, no host synchronisation in a steady-state step, and steps with
+64 MiB activations that complete. Several ranks share one GPU (run_on_ranks(device="cuda")).
+Skipped without CUDA (see conftest.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshpipe.testing import run_on_ranks
+
+from gpu_cases import fsdp_parity, host_syncs, large, parity_all
+from parity import SCHEDULES
+
+ATOL = 1e-5  # fp32; TF32 off by default for matmuls in torch
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["init_mesh", "plain_nccl"])
+def test_every_schedule_matches_one_process(plain: bool) -> None:
+    results: list[dict[str, Any]] = run_on_ranks(
+        parity_all, 2, "cuda", plain, timeout=300, device="cuda"
+    )
+    for rank, res in enumerate(results):
+        for name in SCHEDULES:
+            for metric, value in res[name].items():
+                assert value <= ATOL, f"rank {rank} {name} {metric}: {value}"
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["init_mesh", "plain_nccl"])
+def test_fsdp2_pp2_dp2_matches_one_process(plain: bool) -> None:
+    results = run_on_ranks(fsdp_parity, 4, "cuda", plain, timeout=300, device="cuda")
+    for rank, res in enumerate(results):
+        for name, figures in res.items():
+            for metric, value in figures.items():
+                assert value <= ATOL, f"rank {rank} {name} {metric}: {value}"
+
+
+def test_steady_state_step_has_no_host_sync() -> None:
+    results = run_on_ranks(host_syncs, 2, "cuda", timeout=300, device="cuda")
+    for rank, res in enumerate(results):
+        assert res == {"1f1b": 0, "zbv": 0}, f"rank {rank}: {res}"
+
+
+def test_64mib_activations_complete() -> None:
+    results = run_on_ranks(large, 2, "cuda", timeout=400, device="cuda")
+    for rank, res in enumerate(results):
+        assert res == {"1f1b": 1.0, "interleaved_1f1b": 1.0, "zbv": 1.0}, f"rank {rank}: {res}"
