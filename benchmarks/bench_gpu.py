@@ -1,0 +1,265 @@
+"""meshpipe against torch.distributed.pipelining on CUDA with NCCL: step time and host syncs.
+
+    PYTHONPATH=src python benchmarks/bench_gpu.py                 # on a GPU machine
+    PYTHONPATH=src python benchmarks/bench_gpu.py --device cpu --quick   # dry run, gloo
+
+Two ranks (``run_on_ranks(device="cuda")``: on a machine with one GPU both ranks share it,
+each with its own NCCL_HOSTID, so kernels of the two ranks time-slice one GPU and only the
+ratios between the runtimes of one run mean anything). The same stage modules (deep
+copies) run under both runtimes, steps alternated, 3 rounds of ``--steps`` steps; a step's
+time is the slower rank's (the ranks agree on it with an all-reduce after a device sync,
+outside the timed region). Configurations, as measured in shared/measurements:
+
+- compute: nn.Sequential(Linear, 8 pre-norm MLP blocks of width 2048, Linear), 16
+  microbatches of 128 rows, TF32 on;
+- overhead: the same at width 64, 32 microbatches of 4 rows;
+- large: width 4096, 4 microbatches of 4096 rows (64 MiB per activation), Linear stages.
+
+Host syncs: synchronising CUDA calls (``torch.cuda.set_sync_debug_mode("warn")``) in one
+steady-state step of each runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+
+WORLD = 2
+# meshpipe name, torch.distributed.pipelining class, stages per rank
+SCHEDULES = {
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    width: int
+    blocks: int  # MLP blocks (0: plain Linear stages)
+    microbatches: int
+    rows: int  # per microbatch
+    schedules: tuple[str, ...]
+
+
+FULL = (
+    Config("compute", 2048, 8, 16, 128, ("1f1b", "zbv")),
+    Config("overhead", 64, 8, 32, 4, ("1f1b", "zbv")),
+    Config("large", 4096, 0, 4, 4096, ("1f1b", "interleaved_1f1b", "zbv")),
+)
+QUICK = (
+    Config("compute", 128, 8, 8, 16, ("1f1b", "zbv")),
+    Config("overhead", 16, 8, 16, 2, ("1f1b", "zbv")),
+    Config("large", 256, 0, 4, 256, ("1f1b", "interleaved_1f1b", "zbv")),
+)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.ln(x))))
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def stage_modules(cfg: Config, num_stages: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    d = cfg.width
+    if cfg.blocks == 0:
+        return [nn.Linear(d, d) for _ in range(num_stages)]
+    layers: list[nn.Module] = [nn.Linear(d, d), *[Block(d) for _ in range(cfg.blocks)]]
+    layers.append(nn.Linear(d, d))
+    bounds = [round(i * len(layers) / num_stages) for i in range(num_stages + 1)]
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def torch_placement(name: str, num_stages: int) -> list[int]:
+    if name == "zbv":
+        return [s if s < WORLD else 2 * WORLD - 1 - s for s in range(num_stages)]
+    return [s % WORLD for s in range(num_stages)]
+
+
+def build_torch(
+    name: str, mods: list[nn.Module], group: Any, rank: int, num: int, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    from torch.distributed import pipelining
+
+    cls_name, _ = SCHEDULES[name]
+    n = len(mods)
+    place = torch_placement(name, n)
+    local = [s for s in range(n) if place[s] == rank]
+    stages = [
+        pipelining.PipelineStage(mods[s].to(device), s, n, device, group=group) for s in local
+    ]
+    sched = getattr(pipelining, cls_name)(
+        stages if len(stages) > 1 else stages[0], n_microbatches=num, loss_fn=mse
+    )
+    first, last = 0 in local, (n - 1) in local
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        losses: list[torch.Tensor] = []
+        sched.step(
+            *((x,) if first else ()),
+            target=y if last else None,
+            losses=losses if last else None,
+            return_outputs=False,
+        )
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def count_syncs(fn: Callable[[], Any], device: torch.device) -> int:
+    if device.type != "cuda":
+        fn()
+        return -1  # not measurable on CPU
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync(device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def run_case(cfg: Config, name: str, mesh: Any, steps: int, device: torch.device) -> dict[str, Any]:
+    rank = mesh.get_local_rank("pp")
+    _, per_rank = SCHEDULES[name]
+    mods = stage_modules(cfg, WORLD * per_rank)
+    pipe = meshpipe.Pipeline(
+        copy.deepcopy(mods), mesh, name, num_microbatches=cfg.microbatches, loss_fn=mse
+    )
+    tdp = build_torch(
+        name, copy.deepcopy(mods), mesh.get_group("pp"), rank, cfg.microbatches, device
+    )
+    g = torch.Generator().manual_seed(1)
+    shape = (cfg.microbatches * cfg.rows, cfg.width)
+    x, y = torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device)
+    runners = {"meshpipe": lambda: pipe.step(x, target=y), "torch": lambda: tdp(x, y)}
+    for fn in runners.values():  # warm-up (meshpipe's first step describes every stream)
+        fn()
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for _round in range(3):
+        for key, fn in runners.items():
+            per: list[float] = []
+            for _ in range(steps):
+                _sync(device)
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                per.append(time.perf_counter() - t0)
+            times[key].append(_slowest(statistics.median(per), device))
+    syncs = {key: count_syncs(fn, device) for key, fn in runners.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratios = [m / t for m, t in zip(times["meshpipe"], times["torch"], strict=True)]
+    return {
+        "config": cfg.name,
+        "schedule": name,
+        "meshpipe_ms": med["meshpipe"] * 1e3,
+        "torch_ms": med["torch"] * 1e3,
+        "ratio": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+        "host_syncs": syncs,
+    }
+
+
+def ranks_main(device_type: str, quick: bool, steps: int, only: str | None) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    mesh = meshpipe.init_mesh(pp=WORLD, device_type=device_type)
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    out = []
+    for cfg in QUICK if quick else FULL:
+        if only and cfg.name != only:
+            continue
+        for name in cfg.schedules:
+            res = run_case(cfg, name, mesh, steps, device)
+            if dist.get_rank() == 0:
+                print(json.dumps(res), flush=True)
+            out.append(res)
+    return out
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| config | schedule | meshpipe ms | torch ms | meshpipe/torch "
+        "| host syncs (meshpipe/torch) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r["ratio_range"]
+        s = r["host_syncs"]
+        lines.append(
+            f"| {r['config']} | {r['schedule']} | {r['meshpipe_ms']:.1f} | {r['torch_ms']:.1f} "
+            f"| {r['ratio']:.2f} ({lo:.2f}-{hi:.2f}) | {s['meshpipe']} / {s['torch']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a dry run)")
+    ap.add_argument("--steps", type=int, default=10, help="steps per round (default 10)")
+    ap.add_argument("--config", help="only this configuration: compute, overhead or large")
+    ap.add_argument("--out", help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA here; pass --device cpu --quick for a dry run", file=sys.stderr)
+        return 2
+    results = run_on_ranks(
+        ranks_main, WORLD, args.device, args.quick, args.steps, args.config,
+        timeout=900, device=args.device,
+    )  # fmt: skip
+    rows = results[0]
+    print(render(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    sys.exit(main())
