@@ -68,6 +68,38 @@ def _split_value(value: Any, num: int, dim: int | Replicate, where: str) -> list
     return [unflatten([c[k] for c in chunks], spec) for k in range(num)]
 
 
+def _check_rows(
+    args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, spec: Mapping[int | str, Any]
+) -> None:
+    """Every tensor that is split must have the same size on its split dim: otherwise the
+    microbatches of two inputs (or of an input and its target) would not line up."""
+    named: list[tuple[str, Any, int | Replicate]] = [
+        *((f"argument {i}", a, spec.get(i, 0)) for i, a in enumerate(args)),
+        *((f"argument {k!r}", v, spec.get(k, 0)) for k, v in kwargs.items()),
+    ]
+    if target is not None:
+        named.append(("target", target, spec.get("target", 0)))
+    first: tuple[str, int, tuple[int, ...]] | None = None
+    for where, value, dim in named:
+        if isinstance(dim, Replicate):
+            continue
+        leaves, _ = flatten(value)
+        for i, t in enumerate(leaves):
+            if t.dim() == 0 or not -t.dim() <= dim < t.dim():
+                continue
+            name = where if len(leaves) == 1 else f"{where} (tensor leaf {i})"
+            rows = int(t.shape[dim])
+            if first is None:
+                first = (name, rows, tuple(t.shape))
+            elif rows != first[1]:
+                raise PipelineError(
+                    f"{name} has shape {tuple(t.shape)} but {first[0]} has shape {first[2]}: "
+                    f"{rows} rows against {first[1]} on the split dim; inputs and target must "
+                    "have the same number of rows, or pass chunk_spec= (e.g. REPLICATE) for "
+                    "the ones that are not split into microbatches"
+                )
+
+
 def _batch_size(value: Any) -> int | None:
     leaves, _ = flatten(value)
     for t in leaves:
@@ -85,6 +117,7 @@ def split_microbatches(
 ) -> Microbatches:
     """Split tensor leaves on dim 0 (or the chunk spec's dim) into ``num`` near-equal parts."""
     spec = dict(chunk_spec or {})
+    _check_rows(args, kwargs, target, spec)
     per_arg = [_split_value(a, num, spec.get(i, 0), f"argument {i}") for i, a in enumerate(args)]
     per_kw = {k: _split_value(v, num, spec.get(k, 0), f"argument {k!r}") for k, v in kwargs.items()}
     targets = (

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError, ScheduleError
 from meshpipe.parallel.clip import clip_grad_norm_
+from meshpipe.runtime.agree import CHECKS, agree, fingerprint, schedule_digest
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
 from meshpipe.runtime.microbatch import (
     ChunkSpec,
@@ -76,7 +77,10 @@ class Pipeline:
     them (``reset_parameters``, or ``init_fn(module)``). ``schedule`` is a name
     (``num_microbatches`` required) or a Schedule. ``dp``/``tp_plan``/``mp_policy`` set the
     per-stage SPMD on the mesh's other axes (docs/parallel.md). Every rank makes the same
-    calls; each rank keeps only its own stages.
+    calls; each rank keeps only its own stages. Before any transfer, the pp ranks agree that
+    they were given the same call (schedule, microbatch count, mode, input and target
+    structure, shapes and dtypes; ``check_inputs="values"`` also compares the input values,
+    ``"off"`` skips it): a difference raises PipelineError on every rank naming it.
     """
 
     def __init__(
@@ -99,7 +103,12 @@ class Pipeline:
         timeout: float = 300.0,
         split_points: Sequence[str] | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
+        check_inputs: str = "shapes",
     ) -> None:
+        if check_inputs not in CHECKS:
+            raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
+        self.check_inputs = check_inputs
+        self._digests: dict[int, str] = {}
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.topology = Topology.from_mesh(mesh, pp_axis, dp_axis, tp_axis)
@@ -325,12 +334,39 @@ class Pipeline:
             save_chrome_trace(trace, path)
 
     # -- running -----------------------------------------------------------------------
-    def _check_batch(self, args: tuple[Any, ...], target: Any, training: bool) -> None:
+    def _check_call(
+        self,
+        call: str,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        training: bool,
+    ) -> None:
+        """Refuse a call before any communication, identically on every rank: the pp ranks
+        first agree that they were given the same call (check_inputs), then local checks."""
         if self._broken is not None:
             raise PipelineError(
                 f"this Pipeline cannot run any more: {self._broken}; the process group's "
                 "connections are closed after a timeout, so restart the job"
             )
+        if self.check_inputs != "off":
+            digest = self._digests.get(id(schedule))
+            if digest is None:
+                digest = self._digests[id(schedule)] = schedule_digest(schedule)
+            fields = fingerprint(
+                call, schedule, digest, args, kwargs, target, training, self.check_inputs
+            )
+            topo = self.topology
+            agree(fields, self._channels.ctrl, topo.pp_size, self.timeout, topo.pp_rank)
+        if training and (torch.is_inference_mode_enabled() or not torch.is_grad_enabled()):
+            raise PipelineError(
+                "step() was called under torch.no_grad() or torch.inference_mode(): it trains, "
+                "so it needs gradients; call it outside, or use forward() for inference"
+            )
+        self._check_batch(args, target, training)
+
+    def _check_batch(self, args: tuple[Any, ...], target: Any, training: bool) -> None:
         if training and self.loss_fn is None:
             raise PipelineError("step() needs a loss_fn: pass loss_fn= to Pipeline")
         if target is not None:
@@ -416,7 +452,7 @@ class Pipeline:
         Gradients are accumulated into ``.grad`` (added to any already there) and equal
         those of one process running the whole batch (averaged over dp replicas).
         """
-        self._check_batch(args, target, training=True)
+        self._check_call("step", self.schedule, args, kwargs, target, training=True)
         self._ensure_split(args, kwargs)
         params = list(self.parameters())
         stash = [p.grad for p in params]
@@ -465,7 +501,7 @@ class Pipeline:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""
-        self._check_batch(args, None, training=False)
+        self._check_call("forward", self._infer, args, kwargs, None, training=False)
         self._ensure_split(args, kwargs)
         self._run(self._infer, args, kwargs, None, training=False)
         self._status.phase = "idle"

@@ -1,0 +1,133 @@
+"""Calls agree across pp ranks: a small fingerprint of every step, compared before any
+transfer, so ranks that were given different work stop together with a message naming the
+ranks and what differs, instead of computing a wrong number or waiting until a timeout.
+
+The fingerprint is a few short texts (schedule, microbatch count, mode, the structure,
+shapes and dtypes of inputs and target; with ``check_inputs="values"`` also a hash of every
+input tensor's bytes). Each rank sends one 8-byte digest per field over the CPU-side group
+(one small all-gather); only when digests differ do the ranks exchange the texts to say
+what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshpipe.errors import PipelineError
+from meshpipe.runtime.waits import wait_work
+from meshpipe.schedule.ir import Schedule
+
+__all__ = ["CHECKS", "fingerprint", "agree"]
+
+CHECKS = ("shapes", "values", "off")
+
+
+def _describe(value: Any, path: str, out: list[str], values: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        out.append(f"{path} of shape {tuple(value.shape)} ({dtype})")
+        values.append(value)
+    elif isinstance(value, (tuple, list)):
+        out.append(f"{path}: {type(value).__name__} of {len(value)}")
+        for i, v in enumerate(value):
+            _describe(v, f"{path}[{i}]", out, values)
+    elif isinstance(value, Mapping):
+        out.append(f"{path}: keys {sorted(map(str, value))}")
+        for k, v in value.items():
+            _describe(v, f"{path}[{k!r}]", out, values)
+    elif isinstance(value, (type(None), bool, int, float, str)):
+        out.append(f"{path} = {value!r}")
+    else:
+        out.append(f"{path}: {type(value).__qualname__}")
+
+
+def _values_hash(tensors: Sequence[torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        data = t.detach().contiguous().cpu()  # a host read: only with check_inputs="values"
+        h.update(data.view(torch.uint8).reshape(-1).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()
+
+
+def fingerprint(
+    call: str,
+    schedule: Schedule,
+    schedule_digest: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    target: Any,
+    training: bool,
+    check: str,
+) -> dict[str, str]:
+    """The fields every pp rank must agree on for one call (``call``: "step", "forward"...)."""
+    parts: list[str] = []
+    tensors: list[torch.Tensor] = []
+    for i, a in enumerate(args):
+        _describe(a, f"argument {i}", parts, tensors)
+    for k, v in kwargs.items():
+        _describe(v, f"argument {k!r}", parts, tensors)
+    target_parts: list[str] = []
+    _describe(target, "target", target_parts, tensors)
+    fields = {
+        "call": call,
+        "schedule": f"{schedule.name} (actions {schedule_digest})",
+        "microbatches": str(schedule.num_microbatches),
+        "mode": ("train" if training else "eval")
+        + (", gradients on" if torch.is_grad_enabled() else ", gradients off"),
+        "inputs": "; ".join(parts),
+        "target": "; ".join(target_parts),
+    }
+    if check == "values":
+        fields["values"] = _values_hash(tensors)
+    return fields
+
+
+def schedule_digest(schedule: Schedule) -> str:
+    return hashlib.blake2b(schedule.to_text().encode(), digest_size=6).hexdigest()
+
+
+def agree(
+    fields: dict[str, str],
+    group: dist.ProcessGroup,
+    size: int,
+    timeout: float,
+    rank: int,
+) -> None:
+    """Raise PipelineError on every rank of ``group`` unless all passed the same fields."""
+    if size == 1:
+        return
+    names = sorted(fields)
+    mine = torch.tensor(
+        [int.from_bytes(hashlib.blake2b(fields[n].encode(), digest_size=7).digest(), "big")
+         for n in names] + [len(names)],
+        dtype=torch.int64,
+    )  # fmt: skip
+    every = [torch.empty_like(mine) for _ in range(size)]
+    work = dist.all_gather(every, mine, group=group, async_op=True)
+    wait_work(work, timeout, f"rank {rank}: checking that every pp rank made the same call")
+    if all(torch.equal(t, every[0]) for t in every):
+        return
+    texts: list[Any] = [None] * size
+    dist.all_gather_object(texts, fields, group=group)
+    raise PipelineError(_difference(texts))
+
+
+def _difference(texts: list[dict[str, str]]) -> str:
+    order = ["call", "microbatches", "schedule", "mode", "inputs", "target", "values"]
+    keys = [k for k in order if any(k in t for t in texts)]
+    for key in keys:
+        seen = [t.get(key, "(not checked)") for t in texts]
+        if len(set(seen)) > 1:
+            ranks = ", ".join(f"rank {r} passed {v}" for r, v in enumerate(seen))
+            return (
+                f"the pp ranks were not given the same {key}: {ranks}. Every rank must make "
+                "the same call with the same schedule, microbatch count, and inputs of the "
+                "same structure and shapes"
+                + (" and values (check_inputs='values')" if key == "values" else "")
+            )
+    return "the pp ranks' calls differ"
