@@ -16,8 +16,8 @@ def quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def gpt2(num_layers: int = 4) -> nn.Module:
-    """GPT-2 with tied input embedding and output head, dropout off."""
+def gpt2(num_layers: int = 4, dropout: float = 0.0) -> nn.Module:
+    """GPT-2 with tied input embedding and output head, dropout off unless asked."""
     quiet_transformers()
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -30,9 +30,9 @@ def gpt2(num_layers: int = 4) -> nn.Module:
         use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
     )
     return GPT2LMHeadModel(cfg)
 

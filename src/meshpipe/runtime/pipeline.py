@@ -66,6 +66,13 @@ def _inference_schedule(schedule: Schedule) -> Schedule:
     )
 
 
+def _initial_mode(model: nn.Module | Sequence[nn.Module]) -> bool:
+    """The mode the user's model is in: a list of stages is in train mode if any stage is."""
+    if isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList):
+        return bool(model.training)
+    return any(bool(getattr(m, "training", True)) for m in model)
+
+
 class Pipeline:
     """Runs ``model`` as a pipeline over ``mesh``'s pp axis with ``schedule``.
 
@@ -129,6 +136,7 @@ class Pipeline:
         self.mesh = mesh
         sched = self.schedule
         self._runners: dict[int, StageRunner] = {}
+        self._training = _initial_mode(model)
         # a whole model goes to meshpipe.split; it may wait for the first call's inputs
         self._whole: WholeModel | None = None
         if WholeModel.wanted(model, split_points):
@@ -153,6 +161,7 @@ class Pipeline:
         sched, topo = self.schedule, self.topology
         for s in sched.stages_of(topo.pp_rank):
             module = self._spmd.wrap(s, modules[s].to(topo.device))
+            module.train(self._training)
             self._runners[s] = StageRunner(
                 s, module, is_first=s == 0, is_last=s == sched.num_stages - 1, loss_fn=self.loss_fn
             )
@@ -224,6 +233,26 @@ class Pipeline:
             f"model must be an nn.Sequential or a list of stage modules, got "
             f"{type(model).__name__}; see meshpipe.split for other models"
         )
+
+    # -- mode ----------------------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """True in train mode (dropout and batch norm as in training), as nn.Module's flag."""
+        return self._training
+
+    def train(self, mode: bool = True) -> Pipeline:
+        """Switch every stage on this rank (traced ones included) to train or eval
+        behaviour, as ``nn.Module.train`` does; stages split later get the same mode."""
+        if not isinstance(mode, bool):
+            raise PipelineError(f"train(mode) takes a bool, got {type(mode).__name__}")
+        self._training = mode
+        for runner in self._runners.values():
+            runner.module.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        """Eval behaviour on every stage of this rank: ``train(False)``."""
+        return self.train(False)
 
     # -- parameters --------------------------------------------------------------------
     @property
@@ -355,7 +384,7 @@ class Pipeline:
             if digest is None:
                 digest = self._digests[id(schedule)] = schedule_digest(schedule)
             fields = fingerprint(
-                call, schedule, digest, args, kwargs, target, training, self.check_inputs
+                call, schedule, digest, args, kwargs, target, self._training, self.check_inputs
             )
             topo = self.topology
             agree(fields, self._channels.ctrl, topo.pp_size, self.timeout, topo.pp_rank)

@@ -106,5 +106,6 @@ def split_exported(
     for s, sg in enumerate(graphs):
         stage = GraphStage(s, len(graphs), sg, in_spec, out_spec if s == last else None, device)
         attach_tensors(stage, model, wanted[s])
+        stage.train(model.training)  # the mode the graph was traced in, until told otherwise
         stages.append(stage)
     return stages

@@ -77,7 +77,7 @@ class GraphStage(nn.Module):
         self._in_spec = in_spec
         self._out_spec = out_spec
         self._export_device = export_device
-        self._code: dict[torch.device, Callable[..., Any]] = {}
+        self._code: dict[tuple[torch.device, bool], Callable[..., Any]] = {}
         for name, t in spec.constants.items():
             self.register_buffer(name, t, persistent=False)
 
@@ -100,17 +100,19 @@ class GraphStage(nn.Module):
         return self._export_device
 
     def _compiled(self, device: torch.device) -> Callable[..., Any]:
-        fn = self._code.get(device)
+        key = (device, self.training)
+        fn = self._code.get(key)
         if fn is not None:
             return fn
         graph = self._graph
         if device != self._export_device:
             graph = _on_device(graph, self._export_device, device)
+        graph = _in_mode(graph, self.training)
         code = graph.python_code("self")
         scope = dict(code.globals)
         exec(compile(code.src, f"<meshpipe stage {self.stage_index}>", "exec"), scope)
         made: Callable[..., Any] = scope["forward"]
-        self._code[device] = made
+        self._code[key] = made
         return made
 
     def model_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -163,3 +165,56 @@ def _on_device(graph: fx.Graph, old: torch.device, new: torch.device) -> fx.Grap
         node.args = map_aggregate(node.args, fix)
         node.kwargs = map_aggregate(node.kwargs, fix)
     return copy
+
+
+# ops whose behaviour the module's train/eval mode sets, and the index of that flag
+_MODE_ARG = {
+    torch.ops.aten.dropout.default: 2,
+    torch.ops.aten.feature_dropout.default: 2,
+    torch.ops.aten.alpha_dropout.default: 2,
+    torch.ops.aten.feature_alpha_dropout.default: 2,
+    torch.ops.aten.batch_norm.default: 5,
+}
+
+
+def _in_mode(graph: fx.Graph, training: bool) -> fx.Graph:
+    """``graph`` with dropout, attention dropout and batch norm in train or eval behaviour
+    (export bakes the model's mode at trace time into these arguments; the graph as traced
+    is kept, so train mode restores the traced dropout probabilities). In eval mode, batch
+    norm's count of batches (an unused in-place add on ``num_batches_tracked``) is dropped."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    changes: list[tuple[fx.Node, int | str, Any]] = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        i = _MODE_ARG.get(n.target)
+        if i is not None and len(n.args) > i and n.args[i] != training:
+            changes.append((n, i, training))
+        elif n.target is sdpa and not training:
+            if len(n.args) > 4 and n.args[4]:
+                changes.append((n, 4, 0.0))
+            elif n.kwargs.get("dropout_p"):
+                changes.append((n, "dropout_p", 0.0))
+    counts = [] if training else [n for n in graph.nodes if _counts_batches(n)]
+    if not changes and not counts:
+        return graph
+    copy = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    copy.output(copy.graph_copy(graph, env))
+    for node, where, value in changes:
+        new = env[node]
+        if isinstance(where, int):
+            new.args = (*new.args[:where], value, *new.args[where + 1 :])
+        else:
+            new.kwargs = {**new.kwargs, where: value}
+    for node in counts:
+        copy.erase_node(env[node])
+    return copy
+
+
+def _counts_batches(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not torch.ops.aten.add_.Tensor:
+        return False
+    first = node.args[0] if node.args else None
+    name = str(getattr(first, "target", ""))
+    return not node.users and name.endswith("num_batches_tracked")
