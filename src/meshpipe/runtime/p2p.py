@@ -434,7 +434,7 @@ class Comm:
                 for kind, t, peer in ops
             ]
             batch = dist.batch_isend_irecv(p2p)
-            works = [batch[-1]] * len(ops) if len(batch) != len(ops) else list(batch)
+            works: list[Any] = [batch[-1]] * len(ops) if len(batch) != len(ops) else list(batch)
         else:
             works = [
                 (dist.isend if kind == "send" else dist.irecv)(t, ranks[peer], group=group)

@@ -20,6 +20,7 @@ torch.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshpipe.schedule.comm import Transfer, Wiring, wiring
@@ -48,12 +49,11 @@ Program = tuple[tuple[Group, ...], ...]  # per rank: groups in posting order
 
 def _all_ranks(schedule: Schedule) -> list[tuple[list[Group], list[int]]]:
     w = wiring(schedule)
-    starts = _unit_starts(schedule, w)
+    starts: Sequence[Sequence[float]] | None = _unit_starts(schedule, w)
     if starts is None:  # a posting-order mismatch or a deadlock: replay raises saying which
         starts = [[e.start for e in row] for row in replay(schedule, lambda _a: 1.0)]
     # per message code: its Transfer (one object for both ends), the producer's rank, start
-    m = schedule.num_microbatches
-    n_codes = 2 * schedule.num_stages * m
+    n_codes = 2 * schedule.num_stages * schedule.num_microbatches
     transfer: dict[int, Transfer] = {}
     born_rank, born_start = [0] * n_codes, [0.0] * n_codes
     sends: list[dict[int, P2P]] = []  # per rank: position -> the send posted before it
@@ -62,16 +62,14 @@ def _all_ranks(schedule: Schedule) -> list[tuple[list[Group], list[int]]]:
         for i, peer in enumerate(peers):
             if peer >= 0:
                 code = codes[i]
-                stage, mb = divmod(code >> 1, m)
-                t = transfer[code] = (
-                    Transfer("grad", stage, stage - 1, mb) if code & 1 else Transfer("act", stage, stage + 1, mb)
-                )
+                t = transfer[code] = w.transfer(code)
                 born_rank[code], born_start[code] = rank, mine[i]
                 at[i + 1] = P2P("send", peer, t)
         sends.append(at)
     out = []
     for rank, (peers, codes) in enumerate(zip(w.recv_peer, w.recv_code, strict=True)):
-        mine, recvs = starts[rank], {}
+        mine = starts[rank]
+        recvs: dict[int, list[P2P]] = {}  # position -> receives, in consumption order
         for i, peer in enumerate(peers):
             if peer >= 0:
                 code = codes[i]
@@ -80,11 +78,12 @@ def _all_ranks(schedule: Schedule) -> list[tuple[list[Group], list[int]]]:
                 # starts the lower rank's counts as earlier), at the latest the consumer
                 j = bisect_right(mine, t0) if rank < src else bisect_left(mine, t0)
                 op = P2P("recv", peer, transfer[code])
-                g = recvs.get(j if j < i else i)
-                if g is None:
-                    recvs[j if j < i else i] = [op]
+                if j > i:
+                    j = i
+                if j in recvs:
+                    recvs[j].append(op)
                 else:
-                    g.append(op)
+                    recvs[j] = [op]
         at = sends[rank]
         positions = sorted(at.keys() | recvs.keys())
         groups = [((at[q],) if q in at else ()) + tuple(recvs.get(q, ())) for q in positions]

@@ -1,17 +1,34 @@
 """check_rendezvous(schedule): the p2p program cannot deadlock when sends are rendezvous.
 
-The model (what NCCL does for large messages): each rank posts the groups of its
-:func:`~meshpipe.schedule.program.p2p_program` one after another, a group only once the one
-before it has completed; a group completes when all its operations have; a send completes
-once the matching receive has been posted (in a posted group), a receive once the matching
-send has. Per ordered pair of ranks (src, dst), the k-th send from src to dst matches the
-k-th receive on dst from src. A send and its receive are thus one meeting: each waits for
-the other's group to be posted, whichever end is the send.
+The program is :func:`~meshpipe.schedule.program.p2p_program`'s: per rank, groups of sends
+and receives, each send right after the action producing it, each receive posted early
+(before the receiver's first action that starts after the producer has started, in a
+unit-time replay), several receives in a group where they fall together.
+
+The model (what NCCL does for large messages): each rank posts its groups one after another,
+a group only once the one before it has completed; a group completes when all its
+operations have; a send completes once the matching receive has been posted (in a posted
+group), a receive once the matching send has. Per ordered pair of ranks (src, dst), the k-th
+send from src to dst matches the k-th receive on dst from src. A send and its receive are
+thus one meeting: each waits for the other's group to be posted, whichever end is the send.
 
 The check plays that model out to its fixpoint with a worklist (a rank resumes only once the
 peer it waits for has posted the group it needs), in time linear in the number of
 operations. On a deadlock it follows, from the lowest stuck rank, the peer each stuck rank
-waits for until a rank repeats, and reports that cycle. Imports no torch.
+waits for until a rank repeats, and reports that cycle; the actions involved are found by
+the messages' transfers, so a hand-built program is reported the same way.
+
+For a schedule that passes validate's rules 1-3, its own program always runs to the end.
+Key each group by the (start, rank), in the unit-time replay, of the action it is posted
+before (after the last action: infinity). Say a rank stuck in group G waits for a peer that
+has not yet posted the group H holding the match: the peer is stuck in a group before H.
+If G's operation is a send, G follows the producer, and the groups before H (the receive)
+precede actions keyed at most the producer's. If it is a receive, H follows the producer,
+so the groups before H are keyed at most the producer's, and G precedes the first action
+keyed above it. Either way the peer's key is below G's: keys fall along every wait, so the
+waits form no cycle; and per pair of ranks the receives are posted in the order of the
+matching sends, so every operation has its match. The check thus guards the program's
+construction, and checks hand-built programs. Imports no torch.
 """
 
 from __future__ import annotations
@@ -20,8 +37,9 @@ import sys
 from itertools import chain, repeat
 
 from meshpipe.errors import ScheduleError
+from meshpipe.schedule.comm import recv_of, send_of
 from meshpipe.schedule.ir import Action, Schedule
-from meshpipe.schedule.program import P2P, Program, p2p_program, program_positions
+from meshpipe.schedule.program import P2P, Program, p2p_program
 
 __all__ = ["check_rendezvous"]
 
@@ -39,10 +57,11 @@ def check_rendezvous(schedule: Schedule, program: Program | None = None) -> None
     """Raise ScheduleError unless ``program`` (default: ``p2p_program(schedule)``) runs to
     the end under rendezvous semantics; the error names the ranks of a wait-for cycle, the
     group and operation each is stuck on, and the actions involved."""
-    flat = flatten_program(p2p_program(schedule) if program is None else program)
-    peer = flat[0]
+    if program is None:
+        program = p2p_program(schedule)
+    flat = flatten_program(program)
     stuck = _play(flat)
-    if any(j < len(ops) for j, ops in zip(stuck, peer)):  # noqa: B905 - same length
+    if any(j < len(ops) for j, ops in zip(stuck, flat[0])):  # noqa: B905 - same length
         _raise_deadlock(schedule, program, flat, stuck)
 
 
@@ -128,68 +147,70 @@ def _wait_chain(flat: Flat, stuck: list[int]) -> tuple[list[int], bool]:
     return cycle[low:] + cycle[:low], True
 
 
-class _Where:
-    """Locates operations of a program: group index, P2P and (when the program is the
-    schedule's own) the action involved."""
-
-    def __init__(self, schedule: Schedule, program: Program | None) -> None:
-        self.schedule = schedule
-        self.program = program
-        self.known = program is None or program == p2p_program(schedule)
-        self._cache: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
-
-    def groups(self, rank: int) -> tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]:
-        if rank not in self._cache:
-            if self.program is None:
-                self._cache[rank] = program_positions(self.schedule, rank)
-            else:
-                known = program_positions(self.schedule, rank)[1] if self.known else ()
-                self._cache[rank] = (self.program[rank], known)
-        return self._cache[rank]
-
-    def op(self, rank: int, j: int) -> tuple[int, P2P, tuple[int, Action] | None]:
-        """(group index, operation, (position, action) or None) of operation ``j``."""
-        groups, positions = self.groups(rank)
-        for g, group in enumerate(groups):
-            if j < len(group):
-                if not positions:
-                    return g, group[j], None
-                pos = positions[g] - 1 if group[j].op == "send" else positions[g]
-                return g, group[j], (pos, self.schedule.actions[rank][pos])
-            j -= len(group)
-        raise IndexError(f"rank {rank} has no operation {j}")  # internal, not user input
-
-    def group_action(self, rank: int, start: int, other: str) -> str:
-        """Group index of operation ``start`` and the action an ``other`` there is for."""
-        g, _op, _at = self.op(rank, start)
-        positions = self.groups(rank)[1]
-        if not positions:
-            return f"its group {g}"
-        pos = positions[g] - 1 if other == "send" else positions[g]
-        role = "after" if other == "send" else "for"
-        return f"its group {g}, {role} {self.schedule.actions[rank][pos]} (position {pos})"
+def _action_of(schedule: Schedule, rank: int, op: P2P) -> tuple[int, Action] | None:
+    """(position, action) on ``rank`` whose output ``op`` sends or whose input it receives;
+    None when no action there produces or consumes that message."""
+    find = send_of if op.op == "send" else recv_of
+    want = (op.peer, op.transfer)
+    return next(
+        ((pos, a) for pos, a in enumerate(schedule.actions[rank]) if find(schedule, a) == want),
+        None,
+    )
 
 
-def _raise_deadlock(
-    schedule: Schedule, program: Program | None, flat: Flat, stuck: list[int]
-) -> None:
-    ranks, is_cycle = _wait_chain(flat, stuck)
-    where = _Where(schedule, program)
-    lines = []
-    for r in ranks:
-        g, op, at = where.op(r, stuck[r])
+def _locate(program: Program, rank: int, j: int) -> tuple[int, P2P]:
+    """(group index, operation) of ``rank``'s operation ``j``."""
+    for g, group in enumerate(program[rank]):
+        if j < len(group):
+            return g, group[j]
+        j -= len(group)
+    raise IndexError(f"rank {rank} has no operation {j}")  # internal, not user input
+
+
+def _match(program: Program, rank: int, j: int) -> tuple[int, P2P] | None:
+    """(group index, operation) on the peer that ``rank``'s operation ``j`` meets, or None:
+    the k-th send from a rank to a peer meets the peer's k-th receive from that rank."""
+    _g, op = _locate(program, rank, j)
+    mine = [o for group in program[rank] for o in group]
+    k = sum(1 for o in mine[:j] if o.op == op.op and o.peer == op.peer)
+    other = "recv" if op.op == "send" else "send"
+    seen = 0
+    for h, group in enumerate(program[op.peer]):
+        for o in group:
+            if o.op == other and o.peer == rank:
+                if seen == k:
+                    return h, o
+                seen += 1
+    return None
+
+
+def _describe(schedule: Schedule, program: Program, rank: int, j: int) -> str:
+    """One stuck rank: its group and operation, the peer's group holding the match, and
+    the actions producing or consuming both messages."""
+    g, op = _locate(program, rank, j)
+    text = f"rank {rank} is stuck in its group {g} on {op}"
+    at = _action_of(schedule, rank, op)
+    if at is not None:
         role = "the output of" if op.op == "send" else "the input of"
-        text = f"rank {r} is stuck in its group {g} on {op}"
-        if at is not None:
-            text += f", {role} {at[1]} (position {at[0]})"
-        other, h = ("receive" if op.op == "send" else "send"), flat[1][r][stuck[r]]
-        if h == _NEVER:
-            text += f", but rank {op.peer} never posts the matching {other}"
-        else:
-            text += f", whose {other} rank {op.peer} posts only in "
-            text += where.group_action(op.peer, h, other)
-        lines.append(text)
-    first = where.op(ranks[0], stuck[ranks[0]])[2]
+        text += f", {role} {at[1]} (position {at[0]})"
+    other = "receive" if op.op == "send" else "send"
+    match = _match(program, rank, j)
+    if match is None:
+        return text + f", but rank {op.peer} never posts the matching {other}"
+    h, partner = match
+    text += f", whose {other} rank {op.peer} posts only in its group {h}"
+    if partner.transfer != op.transfer:
+        text += f" ({partner})"
+    at = _action_of(schedule, op.peer, partner)
+    if at is not None:
+        text += f", {'for' if partner.op == 'recv' else 'after'} {at[1]} (position {at[0]})"
+    return text
+
+
+def _raise_deadlock(schedule: Schedule, program: Program, flat: Flat, stuck: list[int]) -> None:
+    ranks, is_cycle = _wait_chain(flat, stuck)
+    lines = [_describe(schedule, program, r, stuck[r]) for r in ranks]
+    first = _action_of(schedule, ranks[0], _locate(program, ranks[0], stuck[ranks[0]])[1])
     if is_cycle:
         what = "ranks " + " -> ".join(map(str, [*ranks, ranks[0]])) + " wait for each other"
     else:
