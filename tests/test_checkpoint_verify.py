@@ -5,7 +5,8 @@ copy of the checkpoint per kind of damage (truncated, emptied, garbage, one flip
 tensor data, deleted data file; flipped or truncated ``.metadata``; an edited record), and
 both ranks load each copy; then the undamaged checkpoint, one without recorded checksums (an
 older save: loads, with a warning) and that one truncated (DCP's own error, wrapped). And in
-this process: how the data files are shared out for checking.
+this process: how the data files are shared out for checking, and a plain nn.Module's
+checkpoint with a file longer than saved and a malformed checksums entry.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -272,3 +274,32 @@ def test_data_files_are_shared_out_once_each_balanced() -> None:
         loads = [sum(sizes[n] for n in s) for s in shares]
         assert max(loads) - min(loads) <= max(sizes.values())
         assert shares == [share(dict(reversed(sizes.items())), r, world) for r in range(world)]
+
+
+def test_record_lists_every_file_dcp_wrote(results: list[dict[str, Any]]) -> None:
+    saved = Path(results[0]["files"]["truncated"]).parent.parent / "ckpt"
+    sums = json.loads((saved / "meshpipe.json").read_text())["checksums"]
+    assert sums["algorithm"] == "crc32"
+    on_disk = {p.name: p.stat().st_size for p in saved.iterdir() if p.name != "meshpipe.json"}
+    assert on_disk.keys() == {".metadata", DATA0, DATA1}
+    assert {name: entry["size"] for name, entry in sums["files"].items()} == on_disk
+    for name, entry in sums["files"].items():
+        assert entry["crc32"] == f"{zlib.crc32((saved / name).read_bytes()):08x}", name
+
+
+def test_one_process_longer_file_and_malformed_record(tmp_path: Path) -> None:
+    """A plain nn.Module (no process group) is verified the same way."""
+    model = nn.Linear(4, 4)
+    ck.save(model, tmp_path / "c", extra={"note": "x"})
+    shutil.copytree(tmp_path / "c", tmp_path / "longer")
+    with open(tmp_path / "longer" / DATA0, "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(
+        ck.CheckpointError, match=r"__0_0\.distcp: \d+ bytes, expected \d+ \(longer than saved\)"
+    ):
+        ck.load(model, tmp_path / "longer")
+    record = json.loads((tmp_path / "c" / "meshpipe.json").read_text())
+    record["checksums"]["files"][DATA0] = {"size": "big"}
+    (tmp_path / "c" / "meshpipe.json").write_text(json.dumps(record))
+    with pytest.raises(ck.CheckpointError, match="meshpipe.json: the checksums entry is malformed"):
+        ck.load(model, tmp_path / "c")

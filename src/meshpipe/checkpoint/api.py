@@ -155,10 +155,14 @@ def save(
         }
         error = _commit(staged, path, infos[0]["token"], record, files, error)
     t.fail_together(error)
+    elapsed = time.perf_counter() - start
     log.info(
-        "saved %s (%d local tensors) in %.2fs (checksums %.2fs)",
-        path, len(state), time.perf_counter() - start, summing,
-    )  # fmt: skip
+        "saved %s (%d local tensors) in %.2fs, %.2fs of it checksums",
+        path,
+        len(state),
+        elapsed,
+        summing,
+    )
 
 
 def _sum_written(t: Target, staged: str, written: set[str]) -> tuple[verify.Sums, str | None]:
@@ -276,10 +280,12 @@ def load(
     """Load the checkpoint at ``path`` into ``pipe`` (and ``optimizer``); return ``extra``.
 
     ``pipe`` is a Pipeline (every process calls load together) or an nn.Module (this
-    process alone). Before reading any tensor, the checkpoint is checked against the model:
-    a CheckpointError names missing, unexpected and mismatched-shape keys (with
-    ``strict=False`` only mismatched shapes are refused). The returned ``extra`` is the one
-    this global rank saved, or rank 0's when the world size differs.
+    process alone). Before reading any tensor, every file is checked against the size and
+    checksum recorded at save (a CheckpointError names a missing, truncated or damaged file)
+    and the checkpoint against the model: a CheckpointError names missing, unexpected and
+    mismatched-shape keys (with ``strict=False`` only mismatched shapes are refused). Errors
+    are raised on every process. The returned ``extra`` is the one this global rank saved, or
+    rank 0's when the world size differs.
     """
     t = as_target(pipe)
     start = time.perf_counter()

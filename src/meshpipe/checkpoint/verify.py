@@ -36,6 +36,7 @@ from meshpipe.checkpoint.errors import CheckpointError
 
 __all__ = [
     "ALGORITHM",
+    "Sums",
     "METADATA",
     "RecordingWriter",
     "file_sum",
@@ -51,7 +52,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 ALGORITHM = "crc32"
 METADATA = ".metadata"  # DCP's metadata file
-_CHUNK = 4 << 20  # bytes read at a time; larger gains nothing measurable
+_CHUNK = 1 << 20  # bytes read at a time: 1 to 16 MiB measured alike
 Sums = dict[str, dict[str, Any]]  # file name -> {"size": int, "crc32": hex str}
 
 
@@ -194,7 +195,8 @@ def check_metadata(directory: str, sums: Sums) -> None:
 
 def check_data(directory: str, sums: Sums, metadata: Metadata, rank: int, world_size: int) -> None:
     """Check this process's share of the data files; every file ``metadata`` reads is listed."""
-    used = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+    storage = metadata.storage_data or {}
+    used = {str(getattr(info, "relative_path", "?")) for info in storage.values()}
     unlisted = sorted(used - set(sums))
     if unlisted:
         raise CheckpointError(
