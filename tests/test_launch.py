@@ -41,8 +41,10 @@ with open(os.path.join(sys.argv[1], "started-" + os.environ["RANK"]), "w") as fh
 time.sleep(120)
 """
 
-# One rank skips a step: the other waits for its gradient and times out after 6 s (short,
-# but long enough for a first step on a busy machine).
+# One rank hangs in its first forward of step 1: the other waits for its gradient and
+# times out after 6 s (short, but long enough for a first step on a busy machine). (A rank
+# that skips a whole step is caught earlier, by the check that every rank made the same
+# call, before any transfer.)
 HANG_SCRIPT = """
 import os, sys, time
 import torch
@@ -57,11 +59,18 @@ def main():
         model, mesh, schedule="1f1b", num_microbatches=2, loss_fn=nn.functional.mse_loss,
         timeout=6.0,
     )
-    for step in range(3):
-        if step == 1 and mesh.get_local_rank("pp") == 1:
+    calls = []
+
+    def hang(*_):
+        calls.append(1)
+        if len(calls) == 3:  # step 1, microbatch 0
             with open(sys.argv[1], "w") as fh:
                 fh.write(repr(time.time()))
-            time.sleep(120)  # HANG: this rank skips step 1
+            time.sleep(120)  # HANG: this rank stops in the middle of step 1
+
+    if mesh.get_local_rank("pp") == 1:
+        pipe.stages[0].register_forward_hook(hang)
+    for step in range(3):
         pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
 
 main()
@@ -111,12 +120,13 @@ def test_hang_is_diagnosed_within_the_timeout(tmp_path: Path) -> None:
     ended = time.time()
     assert proc.returncode != 0, proc.stdout + proc.stderr
     picture = proc.stderr[proc.stderr.index("what each rank was doing:") :]
-    lines = picture.splitlines()[1:3]
+    cause, *lines = picture.splitlines()[1:4]
+    assert cause.startswith("root cause: global rank 0 exited with code 1, the first rank to end")
     assert lines[0].startswith("global rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at 0B0 (mb 0), ")
     assert "waiting for pp rank 1 (global rank 1); at hang.py:" in lines[0]
     assert "CommTimeoutError: rank 0 waited 6.0s in 0B0" in lines[0]
-    assert lines[1].startswith("global rank 1 [pp=1 dp=0 tp=0] ")
-    assert f"outside a pipeline step (after 1 step(s)); at hang.py:{hang_line} in main" in lines[1]
+    assert lines[1].startswith("global rank 1 [pp=1 dp=0 tp=0] was in step 1 at 1F0 (mb 0), ")
+    assert lines[1].endswith(f"; at hang.py:{hang_line} in hang")
     # diagnosed within the 6 s timeout, plus the time for ranks to report and stop
     assert ended - float(stamp.read_text()) < 6.0 + 12.0
 
@@ -180,7 +190,8 @@ def test_picture_has_a_line_per_rank_failures_first(tmp_path: Path) -> None:
         "global rank 3 FAILED outside a pipeline: RuntimeError: later",
         "global rank 2 [pp=1 dp=0 tp=0] FAILED in step 4 at 1F3 (mb 3), waiting for pp rank 0 "
         "(global rank 0): CommTimeoutError: slow",
+        "    more",  # whole messages, later lines indented
         "global rank 0 was outside a pipeline; at train.py:7 in main",
-        "global rank 1 exited with code -9 (it was killed, or never started the script)",
+        "global rank 1 was killed by SIGKILL (signal 9) before it could report",
     ]
     assert describe(reports[2]).startswith("global rank 2 [pp=1 dp=0 tp=0] FAILED")

@@ -152,7 +152,44 @@ def test_stuck_peer_times_out_naming_what_was_awaited() -> None:
     kind, msg, fields = run_on_ranks(_peer_never_comes, 2, timeout=120)[0]
     assert kind == "CommTimeoutError", msg
     status = fields.pop("status")
-    assert fields == {"rank": 0, "peer": 1, "mb": 0, "action": "0B0"}
-    assert status["action"] == "0B0" and status["waiting_for_pp_rank"] == 1
+    # the step's first wait is the call check: every pp rank must start the same step
+    assert fields == {"rank": 0, "peer": 1, "mb": None, "action": "call check"}
     assert status["coords"] == {"pp": 0, "dp": 0, "tp": 0}
+    assert "pp rank(s) [1]" in msg and "call check" in msg
+
+
+class _Slow(nn.Module):
+    """Stage 1: joins the step, then stops in its first forward for longer than the timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(4.0)
+        return self.lin(x)
+
+
+def _peer_stuck_mid_step() -> tuple[str, str, dict[str, Any]]:
+    mesh = meshpipe.init_mesh(pp=2)
+    stages = [nn.Linear(D, D), _Slow()]
+    pipe = meshpipe.Pipeline(stages, mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=2.0)
+    if mesh.get_local_rank("pp") == 1:
+        try:
+            pipe.step(torch.randn(4, D), target=torch.randn(4, D))
+        except Exception as e:  # noqa: BLE001 - rank 0 gave up on it
+            return type(e).__name__, str(e), {}
+        return "nothing", "", {}
+    try:
+        pipe.step(torch.randn(4, D), target=torch.randn(4, D))
+    except meshpipe.CommTimeoutError as e:
+        fields = {"rank": e.rank, "peer": e.peer, "mb": e.mb, "action": e.action}
+        return type(e).__name__, str(e), fields
+    return "nothing", "", {}
+
+
+def test_peer_stuck_mid_step_is_named_with_the_awaited_transfer() -> None:
+    kind, msg, fields = run_on_ranks(_peer_stuck_mid_step, 2, timeout=120)[0]
+    assert kind == "CommTimeoutError", msg
+    assert fields == {"rank": 0, "peer": 1, "mb": 0, "action": "0B0"}
     assert "grad[1->0, mb 0]" in msg and "rank 1" in msg

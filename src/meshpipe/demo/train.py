@@ -43,9 +43,7 @@ class _Job:
 
 
 def _build(opts: DemoOptions) -> _Job:
-    mesh = meshpipe.init_mesh(
-        pp=opts.pp, dp=opts.dp, device_type=opts.device, timeout=opts.timeout
-    )
+    mesh = meshpipe.init_mesh(pp=opts.pp, dp=opts.dp, device_type=opts.device, timeout=opts.timeout)
     schedule = meshpipe.get_schedule(opts.schedule, opts.pp, opts.microbatches)
     text = make_text(seed=opts.seed)
     tokenizer = CharTokenizer(text)

@@ -4,7 +4,9 @@
 train.py --lr 3e-3`` on one machine: a c10d rendezvous on 127.0.0.1, one thread per rank
 (OMP_NUM_THREADS=1 unless set), every rank run through :mod:`meshpipe.launch.worker` so
 that when one fails, every rank reports its action, microbatch, awaited peer and mesh
-coordinates. Multi-node jobs use ``torchrun`` itself with the same script.
+coordinates. Once a rank has failed, a :class:`~meshpipe.launch.supervise.Supervisor`
+ends the others within a few seconds (torch's own stop waits 30 s for a rank that
+ignores SIGTERM). Multi-node jobs use ``torchrun`` itself with the same script.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from meshpipe.launch.report import STATUS_DIR_ENV, RankReport, format_picture, read_reports
+from meshpipe.launch.supervise import Supervisor, exit_status, first_failure
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = ["launch", "LaunchResult", "LaunchError"]
 
 log = logging.getLogger(__name__)
-_SHUTDOWN_S = 5  # seconds a rank gets to stop (and report) before it is killed
+_SHUTDOWN_S = 3  # seconds a rank gets to stop (and report) before it is killed
 _EXIT_INTERRUPTED = 130
 
 
@@ -43,8 +47,12 @@ class LaunchError(ValueError):
 class LaunchResult:
     """How a launch ended: exit status for the shell, and every rank's report on failure.
 
-    ``exit_code`` is 0 on success, the first failing rank's exit code (1 when unknown) on
-    failure, 130 after Ctrl-C. ``picture`` has one line per rank ("" on success).
+    ``exit_code`` is 0 on success; on failure, that of the rank that failed first: its exit
+    code, or 128 + N when signal N killed it (1 when unknown); 130 after Ctrl-C.
+    ``exit_codes`` are the ranks' ``Popen.returncode`` (-N: killed by signal N); ``cause``
+    is the global rank that failed first, when known; ``stopped`` the ranks the launcher
+    stopped after it. ``picture`` names the cause, then has one line per rank ("" on
+    success).
     """
 
     exit_code: int
@@ -52,6 +60,8 @@ class LaunchResult:
     reports: Mapping[int, RankReport] = field(default_factory=dict)
     exit_codes: Mapping[int, int] = field(default_factory=dict)
     interrupted: bool = False
+    cause: int | None = None
+    stopped: frozenset[int] = frozenset()
 
     @property
     def ok(self) -> bool:
@@ -61,7 +71,9 @@ class LaunchResult:
     def picture(self) -> str:
         if self.ok:
             return ""
-        return format_picture(self.reports, self.num_ranks, self.exit_codes)
+        return format_picture(
+            self.reports, self.num_ranks, self.exit_codes, cause=self.cause, stopped=self.stopped
+        )
 
 
 @contextlib.contextmanager
@@ -96,8 +108,10 @@ def _config(num_ranks: int, max_restarts: int) -> LaunchConfig:
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(),  # ranks write to our stdout/stderr
     )
-    # Bound the wait for ranks to stop (and report) before they are killed; older torch
-    # versions without the field ignore the attribute.
+    # Bound the wait for ranks to stop (and report) before they are killed when the agent
+    # itself is stopped (Ctrl-C); older torch versions without the field ignore it. After
+    # a failing rank the agent's process context waits a fixed 30 s instead (its close()
+    # default): the Supervisor ends the ranks before that.
     config.shutdown_timeout = _SHUTDOWN_S
     return config
 
@@ -137,19 +151,36 @@ def launch(
         values.update(env or {})
         values[STATUS_DIR_ENV] = status_dir
         args = ["-u", "-m", "meshpipe.launch.worker", *target]
+        supervisor = Supervisor(status_dir, grace=_SHUTDOWN_S)
         try:
-            with _environ(values), _quiet_agent():
+            with _environ(values), _quiet_agent(), supervisor:
                 elastic_launch(config, sys.executable)(*args)
         except ChildFailedError as e:
-            codes = {r: f.exitcode for r, f in e.failures.items()}
-            first = min(e.failures.values(), key=lambda f: f.timestamp, default=None)
-            code = first.exitcode if first is not None and first.exitcode > 0 else 1
-            return LaunchResult(code, num_ranks, read_reports(status_dir), codes)
+            return _failure(e, num_ranks, status_dir, supervisor)
         except (SignalException, KeyboardInterrupt):
             return LaunchResult(
                 _EXIT_INTERRUPTED, num_ranks, read_reports(status_dir), interrupted=True
             )
     return LaunchResult(0, num_ranks)
+
+
+def _failure(
+    error: ChildFailedError, num_ranks: int, status_dir: str, supervisor: Supervisor
+) -> LaunchResult:
+    """The result of a failed run: the supervisor's account of who ended first, completed
+    by the agent's exit codes (the agent's own timestamps are in whole seconds)."""
+    ends = supervisor.ends()
+    codes = {r: f.exitcode for r, f in error.failures.items()}
+    codes.update({r: e.exit_code for r, e in ends.items() if e.exit_code is not None})
+    reports = read_reports(status_dir)
+    cause = first_failure(ends, codes, reports)
+    if cause is None:
+        first = min(error.failures.values(), key=lambda f: f.timestamp, default=None)
+        code = None if first is None else first.exitcode
+    else:
+        code = codes.get(cause)
+    stopped = supervisor.stopped()
+    return LaunchResult(exit_status(code), num_ranks, reports, codes, cause=cause, stopped=stopped)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import signal
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,11 +24,12 @@ __all__ = [
     "read_reports",
     "describe",
     "format_picture",
+    "signal_name",
+    "cause_line",
 ]
 
 STATUS_DIR_ENV = "MESHPIPE_STATUS_DIR"
 REQUEST_FILE = "snapshot-request"  # written by the first failing rank: "everyone, report"
-_MESSAGE_CHARS = 160
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,9 @@ def _coords(status: Mapping[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in coords.items())
 
 
-def _short(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= _MESSAGE_CHARS else line[: _MESSAGE_CHARS - 3] + "..."
+def _message(text: str) -> str:
+    """The whole error message: its first line inline, the others indented below it."""
+    return "\n    ".join(line.rstrip() for line in text.strip().splitlines())
 
 
 def _doing(report: RankReport) -> str:
@@ -144,32 +146,69 @@ def describe(report: RankReport) -> str:
     if report.where:
         line += f"; at {report.where}"
     if report.error:
-        line += f": {_short(report.error)}"
+        line += f": {_message(report.error)}"
     return line
+
+
+def signal_name(number: int) -> str:
+    """``SIGKILL (signal 9)``, or ``signal 99`` for a number without a name."""
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _ending(code: int | None) -> str:
+    """How a process ended, from its ``Popen.returncode``."""
+    if code is None:
+        return "ended"
+    return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
+
+
+def _unreported(rank: int, code: int | None, stopped: bool) -> str:
+    """The line of a rank without a report."""
+    if code is None:
+        return f"global rank {rank} gave no report (it was killed, or never started the script)"
+    head = f"global rank {rank} {_ending(code)}"
+    if stopped:
+        return f"{head}: the launcher stopped it"
+    if code < 0:
+        return f"{head} before it could report"
+    return f"{head} (it was killed, or never started the script)"
+
+
+def cause_line(rank: int, code: int | None) -> str:
+    """The summary's first line: the rank that ended first, the likely root cause."""
+    return (
+        f"root cause: global rank {rank} {_ending(code)}, the first rank to end; "
+        "the others failed or were stopped after it"
+    )
 
 
 def format_picture(
     reports: Mapping[int, RankReport],
     world_size: int,
     exit_codes: Mapping[int, int] | None = None,
+    *,
+    cause: int | None = None,
+    stopped: Collection[int] = (),
 ) -> str:
-    """One line per global rank (ranks without a report say so): failures first, earliest
-    first (the likely cause), then the other ranks in order."""
+    """One line per global rank (ranks without a report say so), after a line naming the
+    ``cause`` when known: the cause first, then failures, earliest first, then the other
+    ranks in order. ``stopped``: ranks the launcher signalled after the first failure."""
     codes = exit_codes or {}
-    lines: list[str] = []
+    lines = [] if cause is None else [cause_line(cause, codes.get(cause))]
 
-    def key(r: int) -> tuple[bool, float, int]:
+    def key(r: int) -> tuple[bool, bool, float, int]:
         rep = reports.get(r, _NONE)
         failed = rep.kind == "failed"
-        return (not failed, rep.time if failed else 0.0, r)
+        return (r != cause, not failed, rep.time if failed else 0.0, r)
 
     order: Sequence[int] = sorted(range(world_size), key=key)
     for r in order:
         rep = reports.get(r)
         if rep is None:
-            code = codes.get(r)
-            how = f"exited with code {code}" if code is not None else "gave no report"
-            lines.append(f"global rank {r} {how} (it was killed, or never started the script)")
+            lines.append(_unreported(r, codes.get(r), r in stopped))
         else:
             lines.append(describe(rep))
     return "\n".join(lines)

@@ -37,11 +37,12 @@ from meshpipe.launch.report import (
     read_reports,
     write_report,
 )
+from meshpipe.launch.supervise import register
 
 __all__ = ["main", "snapshot", "Snapshot"]
 
 _POLL_S = 0.1
-_PEER_WAIT_S = 2.0  # how long a failing rank waits for the others' snapshots
+_PEER_WAIT_S = 1.0  # how long a failing rank waits for the others' snapshots
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEMO_DIR = os.path.join(_PKG_DIR, "demo") + os.sep  # the demo is user code, the rest is not
 _LAUNCH_DIR = os.path.join(_PKG_DIR, "launch") + os.sep  # this reporting machinery
@@ -205,6 +206,7 @@ class _StatusHandler(logging.Handler):
 
 def _install(directory: str) -> _Reporter:
     reporter = _Reporter(directory)
+    register(directory, reporter.rank)  # so the launcher can stop this rank promptly
     logging.getLogger("meshpipe").addHandler(_StatusHandler(reporter))
     threading.Thread(target=reporter.watch, name="meshpipe-report", daemon=True).start()
 

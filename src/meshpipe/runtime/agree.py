@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshpipe.errors import PipelineError
+from meshpipe.errors import CommTimeoutError, PipelineError
 from meshpipe.runtime.waits import wait_work
 from meshpipe.schedule.ir import Schedule
 
-__all__ = ["CHECKS", "fingerprint", "agree"]
+__all__ = ["CHECKS", "Agreement", "fingerprint", "agree", "schedule_digest"]
 
 CHECKS = ("shapes", "values", "off")
 
@@ -91,30 +91,57 @@ def schedule_digest(schedule: Schedule) -> str:
     return hashlib.blake2b(schedule.to_text().encode(), digest_size=6).hexdigest()
 
 
+class Agreement:
+    """An agreement started without waiting: the digests are all-gathered in the background
+    while the step begins; :meth:`check` waits (bounded) and raises PipelineError, on every
+    rank alike, if the calls differ. The runtime checks before its first transfer."""
+
+    def __init__(
+        self, fields: dict[str, str], group: dist.ProcessGroup, size: int, timeout: float, rank: int
+    ) -> None:
+        self.fields = fields
+        self._group, self._size, self._timeout, self._rank = group, size, timeout, rank
+        self._work: Any = None
+        self._checked = size == 1
+        if self._checked:
+            return
+        names = sorted(fields)
+        digests = [
+            int.from_bytes(hashlib.blake2b(fields[n].encode(), digest_size=7).digest(), "big")
+            for n in names
+        ]
+        self._mine = torch.tensor([*digests, len(names)], dtype=torch.int64)
+        self._every = [torch.empty_like(self._mine) for _ in range(size)]
+        self._work = dist.all_gather(self._every, self._mine, group=group, async_op=True)
+
+    def check(self) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        others = [r for r in range(self._size) if r != self._rank]
+        try:
+            wait_work(self._work, self._timeout, "the call check")
+        except CommTimeoutError as e:
+            raise CommTimeoutError(
+                f"rank {self._rank} waited {self._timeout:.1f}s for pp rank(s) {others} to start "
+                f"the same {self.fields.get('call', 'call')} (the call check, before any "
+                "transfer); a rank that does not come is stuck, gone, or running other code",
+                rank=self._rank,
+                action="call check",
+                peer=others[0] if len(others) == 1 else None,
+            ) from e
+        if all(torch.equal(t, self._every[0]) for t in self._every):
+            return
+        texts: list[Any] = [None] * self._size
+        dist.all_gather_object(texts, self.fields, group=self._group)
+        raise PipelineError(_difference(texts))
+
+
 def agree(
-    fields: dict[str, str],
-    group: dist.ProcessGroup,
-    size: int,
-    timeout: float,
-    rank: int,
+    fields: dict[str, str], group: dist.ProcessGroup, size: int, timeout: float, rank: int
 ) -> None:
     """Raise PipelineError on every rank of ``group`` unless all passed the same fields."""
-    if size == 1:
-        return
-    names = sorted(fields)
-    mine = torch.tensor(
-        [int.from_bytes(hashlib.blake2b(fields[n].encode(), digest_size=7).digest(), "big")
-         for n in names] + [len(names)],
-        dtype=torch.int64,
-    )  # fmt: skip
-    every = [torch.empty_like(mine) for _ in range(size)]
-    work = dist.all_gather(every, mine, group=group, async_op=True)
-    wait_work(work, timeout, f"rank {rank}: checking that every pp rank made the same call")
-    if all(torch.equal(t, every[0]) for t in every):
-        return
-    texts: list[Any] = [None] * size
-    dist.all_gather_object(texts, fields, group=group)
-    raise PipelineError(_difference(texts))
+    Agreement(fields, group, size, timeout, rank).check()
 
 
 def _difference(texts: list[dict[str, str]]) -> str:

@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -189,6 +189,8 @@ class Comm:
         self._send_peers: set[int] = set()
         self._watchdog = watchdog  # set on CUDA: device waits are stream waits, bounded by it
         self._next_position = 0
+        # checks to pass before the first transfer of the step (see Pipeline._check_call)
+        self.gate: Callable[[], None] | None = None
         # debugging aid: run the program under the validator's model, each group waited for
         # (sends too) before the next is posted; on gloo, where large sends are rendezvous,
         # a program that is not deadlock-free then hangs for real
@@ -212,6 +214,7 @@ class Comm:
 
     def finish(self) -> None:
         """End of step: sends done, end markers exchanged with every peer."""
+        self.pass_gate()
         deadline = time.monotonic() + self.timeout
         for work, _tensors, peer in self._sends:
             self._wait(work, deadline, f"send to rank {peer}", peer)
@@ -234,8 +237,33 @@ class Comm:
         self.cache.recv.update(self._new_recv)
 
     # -- the program --------------------------------------------------------------------
+    def pass_gate(self) -> None:
+        gate, self.gate = self.gate, None
+        if gate is None:
+            return
+        try:
+            gate()
+        except PipelineError as e:  # the same on every rank: a refusal, nothing moved
+            e.meshpipe_refusal = True  # type: ignore[attr-defined]
+            raise
+
+    def close_refused(self) -> None:
+        """End a step refused at its gate (on every rank alike): end markers only."""
+        deadline = time.monotonic() + min(self.timeout, 30.0)
+        end = wire.make_header({"x": 1}, _CPU)
+        for work in [self._ctrl_send(p, end) for p in self._send_peers]:
+            self._wait(work, deadline, "end-of-step marker", -1)
+        for reader in self._readers.values():
+            try:
+                reader.next(deadline, "the end of a refused step")
+            except Exception:  # a peer that failed otherwise: nothing more to do here
+                log.debug("no end marker after a refused step", exc_info=True)
+        self._readers.clear()
+
     def post(self, position: int) -> None:
         """Post the group(s) that precede the action at ``position``."""
+        if self.gate is not None and position in self._program:
+            self.pass_gate()
         for group in self._program.get(position, ()):
             self._post_group(group)
         self._next_position = position + 1  # a failure before here replays these groups

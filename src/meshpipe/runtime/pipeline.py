@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError, ScheduleError
 from meshpipe.parallel.clip import clip_grad_norm_
-from meshpipe.runtime.agree import CHECKS, agree, fingerprint, schedule_digest
+from meshpipe.runtime.agree import CHECKS, Agreement, fingerprint, schedule_digest
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
 from meshpipe.runtime.microbatch import (
     ChunkSpec,
@@ -371,14 +371,17 @@ class Pipeline:
         kwargs: dict[str, Any],
         target: Any,
         training: bool,
-    ) -> None:
-        """Refuse a call before any communication, identically on every rank: the pp ranks
-        first agree that they were given the same call (check_inputs), then local checks."""
+    ) -> Callable[[], None]:
+        """Start checking a call; returns the *gate* that finishes the checks, identically on
+        every rank: the pp ranks agree that they were given the same call (``check_inputs``;
+        the digests travel while the step begins), then the local checks run. The runtime
+        passes the gate before its first transfer, so a refused call moves no data."""
         if self._broken is not None:
             raise PipelineError(
                 f"this Pipeline cannot run any more: {self._broken}; the process group's "
                 "connections are closed after a timeout, so restart the job"
             )
+        agreement: Agreement | None = None
         if self.check_inputs != "off":
             digest = self._digests.get(id(schedule))
             if digest is None:
@@ -387,13 +390,25 @@ class Pipeline:
                 call, schedule, digest, args, kwargs, target, self._training, self.check_inputs
             )
             topo = self.topology
-            agree(fields, self._channels.ctrl, topo.pp_size, self.timeout, topo.pp_rank)
-        if training and (torch.is_inference_mode_enabled() or not torch.is_grad_enabled()):
-            raise PipelineError(
-                "step() was called under torch.no_grad() or torch.inference_mode(): it trains, "
-                "so it needs gradients; call it outside, or use forward() for inference"
+            agreement = Agreement(
+                fields, self._channels.ctrl, topo.pp_size, self.timeout, topo.pp_rank
             )
-        self._check_batch(args, target, training)
+
+        def gate() -> None:
+            if agreement is not None:
+                agreement.check()
+            if training and (torch.is_inference_mode_enabled() or not torch.is_grad_enabled()):
+                raise PipelineError(
+                    "step() was called under torch.no_grad() or torch.inference_mode(): it "
+                    "trains, so it needs gradients; call it outside, or use forward() for "
+                    "inference"
+                )
+            self._check_batch(args, target, training)
+
+        if self._whole is not None and self._whole.pending:
+            gate()  # the split is collective: agree before it
+            return lambda: None
+        return gate
 
     def _check_batch(self, args: tuple[Any, ...], target: Any, training: bool) -> None:
         if training and self.loss_fn is None:
@@ -432,14 +447,22 @@ class Pipeline:
         kwargs: dict[str, Any],
         target: Any,
         training: bool,
+        gate: Callable[[], None],
     ) -> dict[int, Any]:
-        mbs = split_microbatches(args, kwargs, target, schedule.num_microbatches, self.chunk_spec)
+        try:
+            mbs = split_microbatches(
+                args, kwargs, target, schedule.num_microbatches, self.chunk_spec
+            )
+        except Exception:
+            gate()  # a difference between the ranks is the better message, and is collective
+            raise
         for r in self._runners.values():
             r.reset()
         signatures = [
             (training, input_signature(a, k)) for a, k in zip(mbs.args, mbs.kwargs, strict=True)
         ]
         comm = self._comm(schedule, signatures)
+        comm.gate = gate
         self._status = RankStatus(phase="pipeline")
         before, after = self._spmd.hooks(schedule, self.topology.pp_rank) if training else ({}, {})
         if training:
@@ -459,6 +482,15 @@ class Pipeline:
             )
             comm.finish()
         except BaseException as e:
+            if comm.gate is not None:  # failed before the gate: a refusal explains it better
+                try:
+                    comm.pass_gate()
+                except PipelineError as refusal:
+                    comm.close_refused()
+                    raise refusal from e
+            if getattr(e, "meshpipe_refusal", False):  # refused on every rank, nothing moved
+                comm.close_refused()
+                raise
             if isinstance(e, CommTimeoutError):
                 # gloo closes a connection whose wait timed out, NCCL aborts: no step after it
                 self._broken = f"an earlier step timed out ({e})"
@@ -481,13 +513,19 @@ class Pipeline:
         Gradients are accumulated into ``.grad`` (added to any already there) and equal
         those of one process running the whole batch (averaged over dp replicas).
         """
-        self._check_call("step", self.schedule, args, kwargs, target, training=True)
+        gate = self._check_call("step", self.schedule, args, kwargs, target, training=True)
         self._ensure_split(args, kwargs)
         params = list(self.parameters())
         stash = [p.grad for p in params]
         for p in params:
             p.grad = None
-        losses = self._run(self.schedule, args, kwargs, target, training=True)
+        try:
+            losses = self._run(self.schedule, args, kwargs, target, True, gate)
+        except BaseException as e:
+            if getattr(e, "meshpipe_refusal", False):  # nothing ran: gradients as they were
+                for p, old in zip(params, stash, strict=True):
+                    p.grad = old
+            raise
         self._status.phase = "reduce"
         try:
             loss = self._reduce(losses, params)
@@ -530,9 +568,9 @@ class Pipeline:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""
-        self._check_call("forward", self._infer, args, kwargs, None, training=False)
+        gate = self._check_call("forward", self._infer, args, kwargs, None, training=False)
         self._ensure_split(args, kwargs)
-        self._run(self._infer, args, kwargs, None, training=False)
+        self._run(self._infer, args, kwargs, None, False, gate)
         self._status.phase = "idle"
         self._steps += 1
         if not self.holds_last_stage:
