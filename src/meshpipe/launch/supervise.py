@@ -40,19 +40,6 @@ def register(directory: str | os.PathLike[str], global_rank: int) -> None:
     os.replace(tmp, path)
 
 
-def _registered(directory: str) -> dict[int, int]:
-    """Registered processes: pid -> global rank."""
-    out: dict[int, int] = {}
-    names = os.listdir(directory) if os.path.isdir(directory) else []
-    for name in names:
-        if not name.startswith(PID_PREFIX) or name.endswith(".tmp"):
-            continue
-        path = os.path.join(directory, name)
-        with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as fh:
-            out[int(fh.read())] = int(name[len(PID_PREFIX) :])
-    return out
-
-
 def _peek(pid: int) -> tuple[bool, int | None]:
     """(ended, exit code) of the child ``pid``, without reaping it. The code follows
     ``Popen.returncode`` (-N: killed by signal N) and is None when the process was already
@@ -97,7 +84,8 @@ class Supervisor:
         self.directory = directory
         self.grace = grace
         self.poll = poll
-        self._ranks: dict[int, int] = {}  # pid -> global rank, every generation
+        self._files: dict[str, tuple[int, int]] = {}  # pid file -> (inode, mtime) read
+        self._ranks: dict[int, int] = {}  # pid -> global rank, in order of registration
         self._live: set[int] = set()
         self._ends: dict[int, RankEnd] = {}  # pid -> end
         self._signalled: set[int] = set()
@@ -119,22 +107,23 @@ class Supervisor:
     ) -> None:
         self._done.set()
         self._thread.join()
-        self.tick()  # ranks that ended since the last look
+        self._safe_tick()  # ranks that ended since the last look
 
     def _run(self) -> None:
-        while not self._done.wait(self.poll):
-            try:
-                self.tick()
-            except Exception:  # never let supervision break the launch; the agent remains
-                log.exception("meshpipe launch: supervising the ranks failed")
-                return
+        while not self._done.wait(self.poll) and self._safe_tick():
+            pass
+
+    def _safe_tick(self) -> bool:
+        try:
+            self.tick()
+        except Exception:  # never let supervision break the launch; the agent remains
+            log.exception("meshpipe launch: supervising the ranks failed")
+            return False
+        return True
 
     def tick(self) -> None:
         """One look: new registrations, ranks that ended, signals that are due."""
-        for pid, rank in _registered(self.directory).items():
-            if pid not in self._ranks:
-                self._ranks[pid] = rank
-                self._live.add(pid)
+        self._scan()
         now = time.time()
         for pid in sorted(self._live):
             ended, code = _peek(pid)
@@ -146,6 +135,30 @@ class Supervisor:
             if self._deadline is None and self._failed(rank, code):
                 self._stop()
         self._enforce()
+
+    def _scan(self) -> None:
+        """Take in new pid files (one replaced by a restarted rank counts anew)."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.directory) as entries:
+            for entry in entries:
+                name = entry.name
+                if not name.startswith(PID_PREFIX) or name.endswith(".tmp"):
+                    continue
+                with contextlib.suppress(OSError, ValueError):
+                    ident = (entry.inode(), entry.stat().st_mtime_ns)
+                    if self._files.get(name) == ident:
+                        continue
+                    with open(entry.path, encoding="utf-8") as fh:
+                        pid = int(fh.read())
+                    self._files[name] = ident
+                    self._track(pid, int(name[len(PID_PREFIX) :]))
+
+    def _track(self, pid: int, rank: int) -> None:
+        self._ranks.pop(pid, None)  # a pid the system gave again starts afresh
+        self._ends.pop(pid, None)
+        for pids in (self._signalled, self._killed, self._doomed):
+            pids.discard(pid)
+        self._ranks[pid] = rank
+        self._live.add(pid)
 
     def _failed(self, rank: int, code: int | None) -> bool:
         if code is not None:

@@ -8,7 +8,9 @@
 * asks the other ranks for a snapshot when it fails, and answers such requests itself
   from a watcher thread: where the main thread is and, inside a step, the pipeline's
   status (found on the main thread's stack, so nothing needs to register);
-* reports where it was when the launcher stops it (SIGTERM, or SIGINT after Ctrl-C).
+* reports where it was when the launcher stops it (SIGTERM, or SIGINT after Ctrl-C);
+* registers its pid, so that the launcher can end it promptly once a rank has failed
+  (:mod:`meshpipe.launch.supervise`).
 
 Without the variable (plain ``torchrun``) it only runs the target.
 """
