@@ -120,7 +120,8 @@ class Agreement:
         self._checked = True
         others = [r for r in range(self._size) if r != self._rank]
         try:
-            wait_work(self._work, self._timeout, "the call check")
+            name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
+            wait_work(self._work, self._timeout, "the call check", peer_name=name)
         except CommTimeoutError as e:
             raise CommTimeoutError(
                 f"rank {self._rank} waited {self._timeout:.1f}s for pp rank(s) {others} to start "

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.runtime import wire
 from meshpipe.runtime.pytree import Spec, flatten, unflatten
-from meshpipe.runtime.waits import Watchdog, wait_work
+from meshpipe.runtime.waits import Watchdog, translate, wait_work
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.program import P2P
 
@@ -410,9 +410,10 @@ class Comm:
                 return err
         return None
 
-    def abort(self, reason: str) -> None:
-        """Tell the peers this rank failed, then play out the rest of the program with
-        zero-filled sends and scratch receives, so no peer waits on data (bounded)."""
+    def abort(self, reason: str, play_out: bool = True) -> None:
+        """Tell the peers this rank failed, then (``play_out``) play out the rest of the
+        program with zero-filled sends and scratch receives, so no peer waits on data
+        (bounded). After a timeout there is no point: the peer waited for is stuck."""
         notices = []
         for peer in sorted(self._send_peers):
             try:
@@ -421,9 +422,16 @@ class Comm:
             except Exception:  # the peer may be gone already
                 log.debug("could not notify rank %d of the failure", peer, exc_info=True)
         ops: list[tuple[str, torch.Tensor, int]] = []
-        rest = [
-            g for p in sorted(self._program) if p >= self._next_position for g in self._program[p]
-        ]
+        rest = (
+            []
+            if not play_out
+            else [
+                g
+                for p in sorted(self._program)
+                if p >= self._next_position
+                for g in self._program[p]
+            ]
+        )
         for group in rest:
             for op in group:
                 key = self._key(op.peer, op.transfer)
@@ -432,7 +440,7 @@ class Comm:
                     buf = torch.zeros(shape, dtype=dtype, device=self.device)
                     if buf.numel():
                         ops.append((op.op, buf, op.peer))
-        pending = [w for w, _t, _p in self._sends]
+        pending = [w for w, _t, _p in self._sends] if play_out else []
         try:
             pending += self._issue(ops)
         except Exception:
@@ -453,9 +461,28 @@ class Comm:
 
     # -- transport --------------------------------------------------------------------
     def _issue(self, ops: list[tuple[str, torch.Tensor, int]]) -> list[Any]:
-        ranks, group = self.ch.global_ranks, self.ch.data
         if not ops:
             return []
+        try:
+            return self._issue_ops(ops)
+        except RuntimeError as e:  # posting to a peer that is gone fails at once
+            peers = sorted({p for _k, _t, p in ops})
+            raise self._translated(e, "posting transfers", peers) from e
+
+    def _translated(self, e: RuntimeError, what: str, peers: Sequence[int]) -> BaseException:
+        names = " or ".join(
+            f"rank {p} (global rank {self.ch.global_ranks[p]})" for p in peers if p >= 0
+        )
+        return translate(
+            e,
+            f"rank {self.rank}: {what}",
+            rank=self.rank,
+            peer=peers[0] if len(peers) == 1 else None,
+            peer_name=names or None,
+        )
+
+    def _issue_ops(self, ops: list[tuple[str, torch.Tensor, int]]) -> list[Any]:
+        ranks, group = self.ch.global_ranks, self.ch.data
         if self.ch.batched:
             p2p = [
                 dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, ranks[peer], group)
@@ -474,13 +501,20 @@ class Comm:
         return works
 
     def _ctrl_send(self, peer: int, buf: torch.Tensor) -> Any:
-        return dist.isend(buf, dst=self.ch.global_ranks[peer], group=self.ch.ctrl)
+        try:
+            return dist.isend(buf, dst=self.ch.global_ranks[peer], group=self.ch.ctrl)
+        except RuntimeError as e:
+            raise self._translated(e, "sending a control message", [peer]) from e
 
     def ctrl_recv(self, peer: int, size: int) -> torch.Tensor:
         buf = torch.empty(size, dtype=torch.uint8)
-        work = dist.irecv(buf, src=self.ch.global_ranks[peer], group=self.ch.ctrl)
+        try:
+            work = dist.irecv(buf, src=self.ch.global_ranks[peer], group=self.ch.ctrl)
+        except RuntimeError as e:
+            raise self._translated(e, "receiving a control message", [peer]) from e
         what = f"rank {self.rank}: control message from rank {peer}"
-        wait_work(work, self.timeout, what, rank=self.rank, peer=peer)
+        name = f"rank {peer} (global rank {self.ch.global_ranks[peer]})"
+        wait_work(work, self.timeout, what, rank=self.rank, peer=peer, peer_name=name)
         return buf
 
     def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
@@ -499,6 +533,9 @@ class Comm:
             f"rank {self.rank}: {what} with rank {peer}",
             rank=self.rank,
             peer=peer,
+            peer_name=None
+            if peer < 0
+            else f"rank {peer} (global rank {self.ch.global_ranks[peer]})",
         )
 
 

@@ -495,7 +495,7 @@ class Pipeline:
                 # gloo closes a connection whose wait timed out, NCCL aborts: no step after it
                 self._broken = f"an earlier step timed out ({e})"
             cause = comm.remote_cause()
-            comm.abort(f"{type(e).__name__}: {e}")
+            comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
             self._descs = DescCache()  # descriptions are unknown after a broken step
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))

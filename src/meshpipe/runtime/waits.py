@@ -9,11 +9,45 @@ from typing import Any
 
 from meshpipe.errors import CommTimeoutError, RemoteStageError
 
-__all__ = ["wait_work", "Watchdog"]
+__all__ = ["wait_work", "translate", "Watchdog"]
+
+
+_GONE = ("closed by peer", "connection reset", "broken pipe", "remote process exited")
+_TIMEOUT = ("timed out", "timeout", "pair closure")
+
+
+def translate(
+    e: BaseException,
+    what: str,
+    *,
+    rank: int | None = None,
+    peer: int | None = None,
+    peer_name: str | None = None,
+    seconds: float | None = None,
+) -> BaseException:
+    """The meshpipe error a transport error stands for (or ``e`` itself): a peer that closed
+    its connection is a RemoteStageError naming it, a timed-out (or timeout-closed)
+    connection a CommTimeoutError, whatever the transport's own words were."""
+    if not isinstance(e, RuntimeError) or isinstance(e, (RemoteStageError, CommTimeoutError)):
+        return e
+    text = str(e).lower()
+    who = peer_name or (f"rank {peer}" if peer is not None else "a peer")
+    if any(k in text for k in _GONE):
+        return RemoteStageError(f"{what}: {who} closed the connection: it failed or exited")
+    if any(k in text for k in _TIMEOUT):
+        within = f" within {seconds:.1f}s" if seconds is not None else ""
+        return CommTimeoutError(f"{what} not done{within}", rank=rank, peer=peer)
+    return e
 
 
 def wait_work(
-    work: Any, seconds: float, what: str, *, rank: int | None = None, peer: int | None = None
+    work: Any,
+    seconds: float,
+    what: str,
+    *,
+    rank: int | None = None,
+    peer: int | None = None,
+    peer_name: str | None = None,
 ) -> None:
     """Wait at most ``seconds`` for ``work``; ``what`` says what it was, for the error."""
     if seconds <= 0:
@@ -21,16 +55,10 @@ def wait_work(
     try:
         work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as e:
-        text = str(e).lower()
-        if "closed by peer" in text or "connection reset" in text:
-            raise RemoteStageError(
-                f"{what}: the peer closed the connection; it failed or exited"
-            ) from e
-        if "timed out" in text or "timeout" in text:
-            raise CommTimeoutError(
-                f"{what} not done within {seconds:.1f}s", rank=rank, peer=peer
-            ) from e
-        raise
+        err = translate(e, what, rank=rank, peer=peer, peer_name=peer_name, seconds=seconds)
+        if err is e:
+            raise
+        raise err from e
 
 
 class Watchdog:
