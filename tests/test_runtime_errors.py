@@ -193,3 +193,34 @@ def test_peer_stuck_mid_step_is_named_with_the_awaited_transfer() -> None:
     assert kind == "CommTimeoutError", msg
     assert fields == {"rank": 0, "peer": 1, "mb": 0, "action": "0B0"}
     assert "grad[1->0, mb 0]" in msg and "rank 1" in msg
+
+
+class _SlowFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.35)
+        return self.lin(x)
+
+
+def _long_step() -> tuple[str, float]:
+    mesh = meshpipe.init_mesh(pp=2)
+    stages = [_SlowFirst(), nn.Linear(D, D)]
+    pipe = meshpipe.Pipeline(stages, mesh, "1f1b", num_microbatches=4, loss_fn=mse, timeout=1.0)
+    t0 = time.monotonic()
+    try:
+        for _ in range(2):
+            pipe.step(torch.randn(8, D), target=torch.randn(8, D))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}", time.monotonic() - t0
+    return "ok", time.monotonic() - t0
+
+
+def test_a_step_may_last_longer_than_the_timeout() -> None:
+    """The timeout bounds each wait, not a step: here no wait is longer than 0.4 s but each
+    step lasts about 1.5 s, with timeout=1.0."""
+    for outcome, seconds in run_on_ranks(_long_step, 2, timeout=120):
+        assert outcome == "ok", outcome
+        assert seconds > 2.0

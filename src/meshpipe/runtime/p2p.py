@@ -507,14 +507,16 @@ class Comm:
             raise self._translated(e, "sending a control message", [peer]) from e
 
     def ctrl_recv(self, peer: int, size: int) -> torch.Tensor:
+        """The next control message from ``peer`` (its reader thread only). No timeout here:
+        a reader may wait a whole step for the end marker; the main thread bounds its own
+        waits on the reader's queue."""
         buf = torch.empty(size, dtype=torch.uint8)
         try:
             work = dist.irecv(buf, src=self.ch.global_ranks[peer], group=self.ch.ctrl)
+            if work is not None:
+                work.wait()
         except RuntimeError as e:
             raise self._translated(e, "receiving a control message", [peer]) from e
-        what = f"rank {self.rank}: control message from rank {peer}"
-        name = f"rank {peer} (global rank {self.ch.global_ranks[peer]})"
-        wait_work(work, self.timeout, what, rank=self.rank, peer=peer, peer_name=name)
         return buf
 
     def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:

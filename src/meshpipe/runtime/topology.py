@@ -136,7 +136,9 @@ def pp_channels(topo: Topology, timeout: float) -> Channels:
     ctrl = dist.new_group(
         list(ranks),
         backend="gloo",
-        timeout=datetime.timedelta(seconds=timeout),
+        # its readers wait for a peer's next message for as long as a step lasts, however
+        # long that is; every wait of the main thread on it carries its own timeout
+        timeout=datetime.timedelta(days=7),
         use_local_synchronization=True,
     )
     cuda = topo.device.type == "cuda"
