@@ -28,6 +28,24 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(self.ln(x))))
 
 
+class OnCall(nn.Module):
+    """A Linear stage that runs ``action()`` before its forward calls number ``calls`` (all
+    calls when None): a stage that fails, dies or stalls at a chosen microbatch."""
+
+    def __init__(self, action: Callable[[], None], calls: set[int] | None = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.action = action
+        self.when = calls
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.when is None or self.calls in self.when:
+            self.action()
+        return self.lin(x)
+
+
 def blocks(num: int = 8, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(*[Block() for _ in range(num)])

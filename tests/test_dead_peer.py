@@ -19,20 +19,7 @@ from torch import nn
 import meshpipe
 from meshpipe.testing import RankFailure, run_on_ranks
 
-from parity import D, mse
-
-
-class _Dies(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == 6:  # in the second step, after its first microbatch went through
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.lin(x)
+from parity import D, OnCall, mse
 
 
 def _run(out_dir: str, pp: int, when: str) -> None:
@@ -40,7 +27,8 @@ def _run(out_dir: str, pp: int, when: str) -> None:
     rank = mesh.get_local_rank("pp")
     stages: list[nn.Module] = [nn.Linear(D, D) for _ in range(pp)]
     if when == "mid-step":
-        stages[1] = _Dies()
+        # in the second step, after its first microbatch went through
+        stages[1] = OnCall(lambda: os.kill(os.getpid(), signal.SIGKILL), {6})
     pipe = meshpipe.Pipeline(stages, mesh, "1f1b", num_microbatches=4, loss_fn=mse, timeout=30)
     x, y = torch.randn(8, D), torch.randn(8, D)
     pipe.step(x, target=y)  # one good step: every connection is up

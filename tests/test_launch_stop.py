@@ -24,7 +24,9 @@ KILL_AFTER_S = 5.0  # every rank gone within this long of the first failure
 
 # Rank 1 dies by SIGKILL in its second forward of step 1 (mid-step). The Pipeline timeout
 # is long, so only the launcher can end rank 0 quickly.
-KILL_SCRIPT = """
+# What both scripts start with: the rank's pid noted, a 2-rank 1f1b pipeline built with
+# the Pipeline timeout TIMEOUT (filled in per script).
+PROLOGUE = """
 import os, signal, sys, time
 import torch
 from torch import nn
@@ -39,9 +41,11 @@ def main():
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
     pipe = meshpipe.Pipeline(
         model, mesh, schedule="1f1b", num_microbatches=2, loss_fn=nn.functional.mse_loss,
-        timeout=60.0,
+        timeout=TIMEOUT,
     )
-    calls = []
+"""
+
+KILL_SCRIPT = PROLOGUE.replace("TIMEOUT", "60.0") + """    calls = []
 
     def die(*_):
         calls.append(1)
@@ -60,24 +64,7 @@ main()
 
 # Rank 1 freezes (SIGSTOP) before step 1; rank 0 times out (Pipeline timeout 3 s) and
 # notes when it raised: from then on, ending the job is the launcher's work.
-STOP_SCRIPT = """
-import os, signal, sys, time
-import torch
-from torch import nn
-import meshpipe
-
-def main():
-    out = sys.argv[1]
-    with open(os.path.join(out, f"pid-{os.environ['RANK']}"), "w") as fh:
-        fh.write(str(os.getpid()))
-    mesh = meshpipe.init_mesh(pp=2)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
-    pipe = meshpipe.Pipeline(
-        model, mesh, schedule="1f1b", num_microbatches=2, loss_fn=nn.functional.mse_loss,
-        timeout=3.0,
-    )
-    for step in range(3):
+STOP_SCRIPT = PROLOGUE.replace("TIMEOUT", "3.0") + """    for step in range(3):
         if step == 1 and mesh.get_local_rank("pp") == 1:
             with open(os.path.join(out, "stopped"), "w") as fh:
                 fh.write(repr(time.time()))

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import D, blocks, mse
+from parity import D, OnCall, blocks, mse
 
 
 def _refused(fn: Any) -> tuple[str, str]:
@@ -87,25 +87,14 @@ def test_bad_input_refused_identically_before_communication() -> None:
     assert res["then_ok"][0] == "loss"
 
 
-class Faulty(nn.Module):
-    """Raises on its third forward call (microbatch 2 of the first step)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == 3:
-            raise RuntimeError("boom in the last stage")
-        return self.lin(x)
+def _boom() -> None:
+    raise RuntimeError("boom in the last stage")
 
 
 def _one_stage_fails() -> tuple[str, str, float]:
     mesh = meshpipe.init_mesh(pp=3)
     torch.manual_seed(0)
-    stages = [nn.Linear(D, D), nn.Linear(D, D), Faulty()]
+    stages = [nn.Linear(D, D), nn.Linear(D, D), OnCall(_boom, {3})]  # mb 2 of step 1
     pipe = meshpipe.Pipeline(stages, mesh, "1f1b", num_microbatches=4, loss_fn=mse, timeout=60)
     t0 = time.monotonic()
     try:
@@ -158,21 +147,9 @@ def test_stuck_peer_times_out_naming_what_was_awaited() -> None:
     assert "pp rank(s) [1]" in msg and "call check" in msg
 
 
-class _Slow(nn.Module):
-    """Stage 1: joins the step, then stops in its first forward for longer than the timeout."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(4.0)
-        return self.lin(x)
-
-
 def _peer_stuck_mid_step() -> tuple[str, str, dict[str, Any]]:
     mesh = meshpipe.init_mesh(pp=2)
-    stages = [nn.Linear(D, D), _Slow()]
+    stages = [nn.Linear(D, D), OnCall(lambda: time.sleep(4.0))]  # beyond the timeout
     pipe = meshpipe.Pipeline(stages, mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=2.0)
     if mesh.get_local_rank("pp") == 1:
         try:
@@ -195,19 +172,9 @@ def test_peer_stuck_mid_step_is_named_with_the_awaited_transfer() -> None:
     assert "grad[1->0, mb 0]" in msg and "rank 1" in msg
 
 
-class _SlowFirst(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.35)
-        return self.lin(x)
-
-
 def _long_step() -> tuple[str, float]:
     mesh = meshpipe.init_mesh(pp=2)
-    stages = [_SlowFirst(), nn.Linear(D, D)]
+    stages = [OnCall(lambda: time.sleep(0.35)), nn.Linear(D, D)]
     pipe = meshpipe.Pipeline(stages, mesh, "1f1b", num_microbatches=4, loss_fn=mse, timeout=1.0)
     t0 = time.monotonic()
     try:

@@ -219,7 +219,7 @@ class Comm:
         for work, _tensors, peer in self._sends:
             self._wait(work, deadline, f"send to rank {peer}", peer)
         self._sends.clear()
-        end = wire.make_header({"x": 1}, _CPU)
+        end = wire.make_header({"x": 1})
         markers = [(self._ctrl_send(p, end), p) for p in self._send_peers]
         for work, peer in markers:
             self._wait(work, deadline, "end-of-step marker", peer)
@@ -250,7 +250,7 @@ class Comm:
     def close_refused(self) -> None:
         """End a step refused at its gate (on every rank alike): end markers only."""
         deadline = time.monotonic() + min(self.timeout, 30.0)
-        end = wire.make_header({"x": 1}, _CPU)
+        end = wire.make_header({"x": 1})
         for work in [self._ctrl_send(p, end) for p in self._send_peers]:
             self._wait(work, deadline, "end-of-step marker", -1)
         for reader in self._readers.values():
@@ -299,7 +299,7 @@ class Comm:
         try:
             if r.desc is None:
                 return self._take_whole(r, deadline, doing)
-            return self._take_data(r, deadline, doing)
+            return self._take_data(r, r.desc, deadline, doing)
         except CommTimeoutError as e:
             self._raise_remote_error()
             raise CommTimeoutError(
@@ -324,8 +324,8 @@ class Comm:
             earlier = self._new_send.setdefault(key, desc)
             if earlier != desc:
                 raise self._changed(op.transfer, desc, earlier)
-            buf = wire.pack(op.transfer, value, _CPU)  # copies to the host: not steady state
-            header = wire.make_header({"n": buf.numel()}, _CPU)
+            buf = wire.pack(op.transfer, value)  # copies to the host: not steady state
+            header = wire.make_header({"n": buf.numel()})
             self._sends.append((self._ctrl_send(op.peer, header), [header], op.peer))
             self._sends.append((self._ctrl_send(op.peer, buf), [buf], op.peer))
             self.bytes_sent += header.numel() + buf.numel()
@@ -360,17 +360,16 @@ class Comm:
                     ops.append(("recv", buf, op.peer))
         return r
 
-    def _take_data(self, r: _Recv, deadline: float, doing: str) -> Any:
-        assert r.desc is not None  # internal invariant, not user input
+    def _take_data(self, r: _Recv, desc: Desc, deadline: float, doing: str) -> Any:
         for work in r.works:  # on CUDA a stream wait, bounded by the watchdog
             self._wait(work, deadline, f"{doing}: receive", r.peer)
         self._raise_remote_error()
         leaves = []
-        for buf, (_dt, _shape, rg) in zip(r.buffers, r.desc.leaves, strict=True):
+        for buf, (_dt, _shape, rg) in zip(r.buffers, desc.leaves, strict=True):
             if rg and buf.is_floating_point():
                 buf.requires_grad_(True)
             leaves.append(buf)
-        return unflatten(leaves, r.desc.spec)
+        return unflatten(leaves, desc.spec)
 
     def _take_whole(self, r: _Recv, deadline: float, doing: str) -> Any:
         reader = self._readers[r.peer]
@@ -417,7 +416,7 @@ class Comm:
         notices = []
         for peer in sorted(self._send_peers):
             try:
-                msg = wire.make_header({"e": reason, "r": self.rank}, _CPU)
+                msg = wire.make_header({"e": reason, "r": self.rank})
                 notices.append((self._ctrl_send(peer, msg), peer))
             except Exception:  # the peer may be gone already
                 log.debug("could not notify rank %d of the failure", peer, exc_info=True)
@@ -539,9 +538,6 @@ class Comm:
             if peer < 0
             else f"rank {peer} (global rank {self.ch.global_ranks[peer]})",
         )
-
-
-_CPU = torch.device("cpu")
 
 
 def _show(desc: Desc) -> str:

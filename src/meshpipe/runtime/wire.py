@@ -1,4 +1,5 @@
-"""The wire format of one transfer: every tensor leaf and a JSON description in one buffer.
+"""The self-described form of a value, for the CPU-side (ctrl) channel: a value whose
+description is new travels whole this way, with the error notices and end markers.
 
 A packed message is ``[leaf 0][leaf 1]...[json][4-byte json length]`` as uint8, leaves at
 16-byte aligned offsets; the JSON names the transfer, the pytree structure and each leaf's
@@ -19,7 +20,7 @@ from meshpipe.errors import PipelineError
 from meshpipe.runtime.pytree import flatten, unflatten
 from meshpipe.schedule.comm import Transfer
 
-__all__ = ["HEADER_BYTES", "pack", "unpack", "make_header", "read_header", "control_message"]
+__all__ = ["HEADER_BYTES", "pack", "unpack", "make_header", "read_header"]
 
 HEADER_BYTES = 512
 _LEN = 4
@@ -41,8 +42,9 @@ def _to_tensor(raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def pack(transfer: Transfer, value: Any, device: torch.device) -> torch.Tensor:
-    """One uint8 buffer holding ``value``'s tensor leaves and its description."""
+def pack(transfer: Transfer, value: Any) -> torch.Tensor:
+    """One uint8 host buffer holding ``value``'s tensor leaves (copied from wherever they
+    are) and its description."""
     leaves, spec = flatten(value)
     tensors = [t.detach() for t in leaves]
     offsets, end = [], 0
@@ -60,33 +62,26 @@ def pack(transfer: Transfer, value: Any, device: torch.device) -> torch.Tensor:
     body = _json_bytes(meta)
     # padded, so microbatch numbers of more digits do not change the message size
     body = body.ljust(-(-len(body) // 64) * 64)
-    buf = torch.empty(end + len(body) + _LEN, dtype=torch.uint8, device=device)
+    buf = torch.empty(end + len(body) + _LEN, dtype=torch.uint8)
     for t, off in zip(tensors, offsets):
         n = t.numel() * t.element_size()
         if n:
             buf[off : off + n].view(t.dtype).view(t.shape).copy_(t)
     tail = body + len(body).to_bytes(_LEN, "big")
-    buf[end:] = _to_tensor(tail).to(device)
+    buf[end:] = _to_tensor(tail)
     return buf
 
 
-def control_message(size: int, fields: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """A message of exactly ``size`` bytes (the size the receiver expects) carrying only
-    ``fields``: an error ("e"), or the size of the message that follows ("n")."""
-    if "e" in fields:
-        fields = {**fields, "e": str(fields["e"])[: max(0, size - 64)]}
-    body = _json_bytes(fields)
-    buf = torch.zeros(size, dtype=torch.uint8, device=device)
-    tail = body + len(body).to_bytes(_LEN, "big")
-    buf[size - len(tail) :] = _to_tensor(tail).to(device)
-    return buf
+def _bytes(buf: torch.Tensor) -> bytes:
+    """The bytes of a uint8 message; messages of this format live on the host (ctrl)."""
+    return buf.numpy().tobytes()
 
 
 def _meta_of(buf: torch.Tensor) -> dict[str, Any]:
-    n = int.from_bytes(bytes(buf[-_LEN:].cpu().tolist()), "big")
+    n = int.from_bytes(_bytes(buf[-_LEN:]), "big")
     if n + _LEN > buf.numel():
         raise PipelineError(f"corrupt message: description of {n} bytes in {buf.numel()} bytes")
-    meta: dict[str, Any] = json.loads(bytes(buf[-_LEN - n : -_LEN].cpu().tolist()).decode())
+    meta: dict[str, Any] = json.loads(_bytes(buf[-_LEN - n : -_LEN]).decode())
     return meta
 
 
@@ -113,7 +108,7 @@ def unpack(buf: torch.Tensor) -> tuple[dict[str, Any], Transfer | None, Any]:
     return meta, Transfer(kind, s, d, mb), unflatten(tensors, meta["s"])
 
 
-def make_header(fields: dict[str, Any], device: torch.device) -> torch.Tensor:
+def make_header(fields: dict[str, Any]) -> torch.Tensor:
     """A fixed-size header carrying ``fields`` (long error texts are cut to fit)."""
     if "e" in fields:
         fields = {**fields, "e": str(fields["e"])[:400]}
@@ -121,11 +116,10 @@ def make_header(fields: dict[str, Any], device: torch.device) -> torch.Tensor:
     buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     buf[:_LEN] = _to_tensor(len(body).to_bytes(_LEN, "big"))
     buf[_LEN : _LEN + len(body)] = _to_tensor(body)
-    return buf.to(device)
+    return buf
 
 
 def read_header(buf: torch.Tensor) -> dict[str, Any]:
-    raw = buf.cpu()
-    n = int.from_bytes(bytes(raw[:_LEN].tolist()), "big")
-    out: dict[str, Any] = json.loads(bytes(raw[_LEN : _LEN + n].tolist()).decode())
+    n = int.from_bytes(_bytes(buf[:_LEN]), "big")
+    out: dict[str, Any] = json.loads(_bytes(buf[_LEN : _LEN + n]).decode())
     return out
