@@ -180,6 +180,17 @@ def _host_reads(mesh: Any, name: str) -> list[str]:
     return seen
 
 
+def _pending_sends(mesh: Any) -> dict[str, float]:
+    """gpipe with 40 microbatches: rank 0 sends 40 activations before its first receive;
+    at most 16 (+ the group being posted) stay pending, so sent buffers are freed early."""
+    pipe = meshpipe.Pipeline(blocks(4), mesh, "gpipe", num_microbatches=40, loss_fn=mse)
+    x, y = torch.randn(80, 16), torch.randn(80, 16)
+    pipe.step(x, target=y)
+    pipe.step(x, target=y)  # the steady state: tensors on the data group
+    assert pipe._comm_now is not None
+    return {"peak": float(pipe._comm_now.peak_pending_sends)}
+
+
 def _all(_: None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = meshpipe.init_mesh(pp=2)
@@ -191,6 +202,7 @@ def _all(_: None = None) -> dict[str, Any]:
         out[f"large-{name}"] = _large_case(mesh, name)
     del os.environ["MESHPIPE_P2P_STRICT"]
     out["data_dependent"] = _data_dependent(mesh)
+    out["pending"] = _pending_sends(mesh)
     for name in ("1f1b", "zbv"):
         out[f"host-{name}"] = _host_reads(mesh, name)
     # last: a timed-out wait makes gloo close the connection, so nothing runs after it
@@ -244,3 +256,9 @@ def test_steady_state_step_reads_nothing_on_the_host(
 ) -> None:
     for rank, res in enumerate(results):
         assert res[f"host-{name}"] == [], f"rank {rank}: {res[f'host-{name}']}"
+
+
+def test_sent_buffers_are_released_during_the_step(results: list[dict[str, Any]]) -> None:
+    assert results[0]["pending"]["peak"] >= 16  # rank 0 did get that far ahead
+    for rank, res in enumerate(results):
+        assert res["pending"]["peak"] <= 17, f"rank {rank}: {res['pending']}"

@@ -49,6 +49,7 @@ __all__ = ["Comm", "DescCache", "Desc", "Channels"]
 log = logging.getLogger(__name__)
 
 DescKey = tuple[int, str, int, int, Hashable]  # (peer, kind, src, dst, input signature)
+_MAX_IN_FLIGHT = 16  # sends kept pending before the oldest is waited for
 
 
 class Desc(NamedTuple):
@@ -180,6 +181,7 @@ class Comm:
         self.signatures = signatures
         self.bytes_sent = 0
         self.ctrl_values_sent = 0  # values sent whole on ctrl (new description keys)
+        self.peak_pending_sends = 0  # most sends posted and not yet waited for, at once
         self.posted: list[tuple[P2P, ...]] = []  # every group posted, for tests and traces
         self._program: dict[int, list[tuple[P2P, ...]]] = {}
         self._outbox: dict[Transfer, Any] = {}
@@ -497,6 +499,12 @@ class Comm:
         for w, (kind, t, peer) in zip(works, ops, strict=True):
             if kind == "send":
                 self._sends.append((w, [t], peer))
+        self.peak_pending_sends = max(self.peak_pending_sends, len(self._sends))
+        while len(self._sends) > _MAX_IN_FLIGHT:
+            # free sent buffers as the step goes, not at its end (the validator's model
+            # waits for every group before the next, so waiting for an old send is safe)
+            old, _tensors, peer = self._sends.pop(0)
+            self._wait(old, time.monotonic() + self.timeout, f"send to rank {peer}", peer)
         return works
 
     def _ctrl_send(self, peer: int, buf: torch.Tensor) -> Any:
@@ -519,11 +527,13 @@ class Comm:
         return buf
 
     def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
-        # gloo's point-to-point works wait for one more completion on every wait() call:
-        # never wait for the same work twice
-        if id(work) in self._waited:
-            return
-        self._waited[id(work)] = work
+        # gloo's point-to-point works wait for one more completion on every wait() call, so
+        # a work is never waited for twice: by construction (receives in take, sends once
+        # popped from _sends), and in strict mode, which also waits for whole groups, by id
+        if self.strict:
+            if id(work) in self._waited:
+                return
+            self._waited[id(work)] = work
         if self._watchdog is not None:  # device work: never block the host on it
             work.wait()
             self._watchdog.watch(work, deadline, f"rank {self.rank}: {what} with rank {peer}")
