@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,3 +139,14 @@ def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_commands_table() -> None:
     assert {"show", "simulate", "compare"} <= set(COMMANDS)
+
+
+def test_version_and_public_names(capsys: Any) -> None:
+    import meshpipe
+    from meshpipe.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"meshpipe {meshpipe.__version__}"
+    assert {"cli", "testing", "runtime"}.isdisjoint(meshpipe.__all__)
+    assert {"Pipeline", "P2P", "p2p_program", "REPLICATE", "checkpoint"} <= set(meshpipe.__all__)
+    assert repr(meshpipe.REPLICATE) == "REPLICATE"

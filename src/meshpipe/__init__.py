@@ -37,10 +37,14 @@ _LAZY: dict[str, str] = {
     "init_mesh": "meshpipe.runtime.topology",
     "Pipeline": "meshpipe.runtime.pipeline",
     "split": "meshpipe.split",
+    "REPLICATE": "meshpipe.runtime.microbatch",
 }
-_SUBMODULES = {"schedule", "sim", "runtime", "testing", "errors", "cli", "checkpoint"}
+# submodules named in __all__; runtime, cli and testing also load on attribute access
+# (meshpipe.testing.run_on_ranks is public) but are not names to star-import
+_PUBLIC_MODULES = {"schedule", "sim", "errors", "checkpoint"}
+_SUBMODULES = _PUBLIC_MODULES | {"runtime", "cli", "testing"}
 
-__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
+__all__ = sorted([*_LAZY, *_PUBLIC_MODULES, "__version__"])
 
 
 def __getattr__(name: str) -> Any:

@@ -302,6 +302,9 @@ COMMANDS: dict[str, Command] = {
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subparser per entry of COMMANDS."""
     parser = argparse.ArgumentParser(prog="meshpipe", description="pipeline-parallel training")
+    from meshpipe import __version__
+
+    parser.add_argument("--version", action="version", version=f"meshpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
