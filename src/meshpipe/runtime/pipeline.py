@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError, ScheduleError
+from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.agree import CHECKS, Agreement, fingerprint, schedule_digest
+from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
 from meshpipe.runtime.microbatch import (
     ChunkSpec,
@@ -25,15 +26,14 @@ from meshpipe.runtime.microbatch import (
 )
 from meshpipe.runtime.p2p import Channels, Comm, DescCache
 from meshpipe.runtime.pytree import flatten
-from meshpipe.runtime.reduce import reduce_grads, reduce_loss
+from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
+from meshpipe.runtime.schedules import Schedules
 from meshpipe.runtime.spmd import Spmd
 from meshpipe.runtime.stage import StageRunner
 from meshpipe.runtime.topology import Topology, pp_channels
 from meshpipe.runtime.waits import Watchdog
-from meshpipe.schedule.ir import Op, Schedule
+from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.program import P2P, program_positions
-from meshpipe.schedule.registry import get_schedule
-from meshpipe.schedule.validate import validate
 from meshpipe.split.sequential import split_sequential
 from meshpipe.split.whole import WholeModel
 
@@ -52,18 +52,6 @@ def _split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Module]:
         )
     starts = [round(i * len(names) / num_stages) for i in range(1, num_stages)]
     return split_sequential(model, [names[k] for k in starts])
-
-
-def _inference_schedule(schedule: Schedule) -> Schedule:
-    if schedule.is_inference:
-        return schedule
-    return Schedule(
-        num_ranks=schedule.num_ranks,
-        num_microbatches=schedule.num_microbatches,
-        placement=schedule.placement,
-        actions=tuple(tuple(a for a in row if a.op is Op.F) for row in schedule.actions),
-        name=f"{schedule.name} (forward only)",
-    )
 
 
 def _initial_mode(model: nn.Module | Sequence[nn.Module]) -> bool:
@@ -111,6 +99,8 @@ class Pipeline:
         split_points: Sequence[str] | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
         check_inputs: str = "shapes",
+        example_args: Sequence[Any] | None = None,
+        example_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if check_inputs not in CHECKS:
             raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
@@ -128,7 +118,8 @@ class Pipeline:
                     "pp ranks"
                 )
             stages_per_rank = len(model) // topo.pp_size
-        self.schedule = self._resolve_schedule(schedule, num_microbatches, stages_per_rank)
+        self._schedules = Schedules(schedule, topo.pp_size, num_microbatches, stages_per_rank)
+        self.schedule = self._schedules.main
         self._spmd = Spmd(topo, dp, tp_plan, mp_policy, fsdp_reshard_gap)
         self.loss_fn = loss_fn
         self.chunk_spec = chunk_spec
@@ -141,10 +132,11 @@ class Pipeline:
         self._whole: WholeModel | None = None
         if WholeModel.wanted(model, split_points):
             self._whole = WholeModel(model, sched.num_stages, split_points, init_fn)  # type: ignore[arg-type]
-            self._ensure_split((), {})
+            # with example inputs the split (and tracing) happens here, so parameters exist
+            # for the optimizer and checkpoint.load before the first step
+            self._ensure_split(tuple(example_args or ()), dict(example_kwargs or {}))
         else:
             self._build_runners(self._stage_modules(model))
-        self._infer = _inference_schedule(sched)
         self._programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
         self._channels: Channels = pp_channels(topo, self.timeout)
         self._descs = DescCache()
@@ -180,38 +172,6 @@ class Pipeline:
                 args, kwargs, local, sched.placement, self.mesh, self._pp_axis, topo.device, first
             )
         )
-
-    def _resolve_schedule(
-        self, schedule: str | Schedule, num_microbatches: int | None, stages_per_rank: int | None
-    ) -> Schedule:
-        pp = self.topology.pp_size
-        if isinstance(schedule, str):
-            if num_microbatches is None:
-                raise PipelineError(
-                    f"schedule {schedule!r} is a name: pass num_microbatches= as well"
-                )
-            sched = get_schedule(schedule, pp, num_microbatches, stages_per_rank)
-        elif isinstance(schedule, Schedule):
-            sched = schedule
-            if num_microbatches is not None and num_microbatches != sched.num_microbatches:
-                raise PipelineError(
-                    f"num_microbatches={num_microbatches} but the schedule has "
-                    f"{sched.num_microbatches}"
-                )
-        else:
-            raise PipelineError(
-                f"schedule must be a name or a Schedule, got {type(schedule).__name__}"
-            )
-        if sched.num_ranks != pp:
-            raise PipelineError(
-                f"schedule {sched.name!r} is for {sched.num_ranks} ranks but the mesh's pp axis "
-                f"has {pp}"
-            )
-        try:
-            validate(sched)
-        except ScheduleError as e:
-            raise PipelineError(f"schedule {sched.name!r} is not valid: {e}") from e
-        return sched
 
     def _stage_modules(self, model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
         n = self.schedule.num_stages
@@ -456,6 +416,7 @@ class Pipeline:
         except Exception:
             gate()  # a difference between the ranks is the better message, and is collective
             raise
+        self._last_mbs = mbs
         for r in self._runners.values():
             r.reset()
         signatures = [
@@ -507,20 +468,34 @@ class Pipeline:
             raise
         return dict(losses)
 
-    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        num_microbatches: int | None = None,
+        return_outputs: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         """One training step over all microbatches; returns the loss (same on every rank).
 
         Gradients are accumulated into ``.grad`` (added to any already there) and equal
         those of one process running the whole batch (averaged over dp replicas).
+        ``num_microbatches`` overrides the pipeline's count for this call (a short last
+        batch); ``return_outputs=True`` returns ``(loss, outputs)``, the merged outputs on
+        the ranks holding the last stage and None elsewhere.
         """
-        gate = self._check_call("step", self.schedule, args, kwargs, target, training=True)
+        sched = self._schedules.training(num_microbatches)
+        gate = self._check_call("step", sched, args, kwargs, target, training=True)
         self._ensure_split(args, kwargs)
+        last = self._runners.get(sched.num_stages - 1)
+        if last is not None:
+            last.keep_outputs = return_outputs
         params = list(self.parameters())
         stash = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
-            losses = self._run(self.schedule, args, kwargs, target, True, gate)
+            losses = self._run(sched, args, kwargs, target, True, gate)
         except BaseException as e:
             if getattr(e, "meshpipe_refusal", False):  # nothing ran: gradients as they were
                 for p, old in zip(params, stash, strict=True):
@@ -528,7 +503,7 @@ class Pipeline:
             raise
         self._status.phase = "reduce"
         try:
-            loss = self._reduce(losses, params)
+            loss = self._reduce(losses, params, sched)
         except BaseException as e:
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
@@ -539,13 +514,63 @@ class Pipeline:
                 p.grad = old if p.grad is None else p.grad.add_(old)
         self._status.phase = "idle"
         self._steps += 1
+        if return_outputs:
+            return loss.to(torch.float32), self._take_outputs(sched)
         return loss.to(torch.float32)
 
-    def _reduce(self, losses: dict[int, Any], params: list[nn.Parameter]) -> torch.Tensor:
+    def eval_step(
+        self,
+        *args: Any,
+        target: Any = None,
+        metrics_fn: MetricsFn | None = None,
+        num_microbatches: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Evaluation: the loss of the batch, the same on every rank, without gradients and
+        without touching parameters (mode as set by ``train()``/``eval()``). With
+        ``metrics_fn(output, target) -> {name: scalar tensor}`` (per-microbatch means),
+        returns ``(loss, metrics)``, metrics reduced like the loss (weighted by microbatch
+        share, averaged over dp)."""
+        if target is None:
+            raise PipelineError("eval_step() needs target= (the loss is computed from it)")
+        infer = self._schedules.inference(num_microbatches)
+        gate = self._check_call("eval_step", infer, args, kwargs, target, training=False)
+        self._ensure_split(args, kwargs)
+        self._run(infer, args, kwargs, target, False, gate)
+        last = self._runners.get(infer.num_stages - 1)
+        records, metrics = eval_records(last, self._last_mbs, metrics_fn, self.topology.device)
+        topo = self.topology
+        src = topo.pp_global_ranks[infer.placement[-1]]
+        loss, _ = reduce_loss(
+            records, self.holds_last_stage, src, topo.pp_group, topo.dp_group, topo.device,
+            timeout=self.timeout, watchdog=self._watchdog,
+        )  # fmt: skip
+        self._status.phase = "idle"
+        self._steps += 1
+        if metrics_fn is None:
+            return loss.to(torch.float32)
+        reduced = reduce_metrics(
+            metrics, src, self._channels.ctrl, topo.pp_group, topo.dp_group, topo.device,
+            self.timeout,
+        )  # fmt: skip
+        return loss.to(torch.float32), reduced
+
+    def _take_outputs(self, sched: Schedule) -> Any:
+        runner = self._runners.get(sched.num_stages - 1)
+        if runner is None:
+            return None
+        out = [runner.outputs[mb] for mb in range(sched.num_microbatches)]
+        runner.outputs.clear()
+        runner.keep_outputs = False
+        return merge_outputs(out)
+
+    def _reduce(
+        self, losses: dict[int, Any], params: list[nn.Parameter], sched: Schedule
+    ) -> torch.Tensor:
         """End of step: the loss agreed over pp and dp, gradients reduced and scaled."""
         factor = self._spmd.finish_step(self.timeout)
         topo = self.topology
-        last_rank = self.schedule.placement[-1]
+        last_rank = sched.placement[-1]
         loss, scale = reduce_loss(
             losses,
             self.holds_last_stage,
@@ -566,18 +591,14 @@ class Pipeline:
             self._whole.sync_grads()  # tied weights: sum over the stages holding them
         return loss
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, num_microbatches: int | None = None, **kwargs: Any) -> Any:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""
-        gate = self._check_call("forward", self._infer, args, kwargs, None, training=False)
+        infer = self._schedules.inference(num_microbatches)
+        gate = self._check_call("forward", infer, args, kwargs, None, training=False)
         self._ensure_split(args, kwargs)
-        self._run(self._infer, args, kwargs, None, False, gate)
+        self._run(infer, args, kwargs, None, False, gate)
         self._status.phase = "idle"
         self._steps += 1
-        if not self.holds_last_stage:
-            return None
-        runner = self._runners[self.schedule.num_stages - 1]
-        out = [runner.outputs[mb] for mb in range(self.schedule.num_microbatches)]
-        runner.outputs.clear()
-        return merge_outputs(out)
+        return self._take_outputs(infer)
 
     __call__ = forward

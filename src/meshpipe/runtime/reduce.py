@@ -15,7 +15,7 @@ import torch.distributed as dist
 from meshpipe.runtime.stage import LossRecord
 from meshpipe.runtime.waits import Watchdog, wait_work
 
-__all__ = ["reduce_loss", "reduce_grads"]
+__all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
 
 
 def _wait(work: Any, timeout: float, what: str, watchdog: Watchdog | None) -> None:
@@ -92,3 +92,32 @@ def reduce_grads(
     for p in params:
         if p.grad is not None:
             p.grad.mul_(scale)
+
+
+def reduce_metrics(
+    metrics: Mapping[str, torch.Tensor],
+    src: int,
+    ctrl_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup | None,
+    device: torch.device,
+    timeout: float = 300.0,
+) -> dict[str, torch.Tensor]:
+    """Share-weighted metric sums of the last stage's rank (global rank ``src``), the same on
+    every rank: names sent over the CPU-side group, values broadcast over pp and averaged
+    over dp, as the loss."""
+    names: list[Any] = [sorted(metrics)]
+    if dist.get_world_size(ctrl_group) > 1:
+        dist.broadcast_object_list(names, src=src, group=ctrl_group)
+    keys: list[str] = names[0]
+    buf = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    if metrics:
+        buf.copy_(torch.stack([metrics[k].to(device).reshape(()) for k in keys]))
+    if dist.get_world_size(pp_group) > 1 and keys:
+        work = dist.broadcast(buf, src=src, group=pp_group, async_op=True)
+        wait_work(work, timeout, "the metrics broadcast over pp")
+    if dp_group is not None and keys:
+        work = dist.all_reduce(buf, group=dp_group, async_op=True)
+        wait_work(work, timeout, "the metrics all-reduce over dp")
+        buf /= dist.get_world_size(dp_group)
+    return {k: buf[i].to(torch.float32) for i, k in enumerate(keys)}

@@ -66,6 +66,7 @@ class StageRunner:
         self.takes_model_inputs = bool(getattr(module, "meshpipe_model_inputs", False))
         self._saved: dict[int, _Saved] = {}
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
+        self.keep_outputs = False  # last stage, training: keep outputs too
 
     def reset(self) -> None:
         self._saved.clear()
@@ -109,10 +110,17 @@ class StageRunner:
             leaves, _ = flatten(out)
             saved.roots = [_edge_of(t) for t in leaves]
             return out
+        if self.keep_outputs:  # step(..., return_outputs=True)
+            self.outputs[mb] = _detached(out)
         loss, record = self._loss(out, target, share, mb)
         saved.roots = [_edge_of(loss)]
         saved.seed = torch.ones_like(loss.detach())
         return record
+
+    def loss_of(self, mb: int, target: Any, share: float) -> LossRecord:
+        """The loss record of a microbatch whose output was kept (evaluation, no grad)."""
+        with torch.no_grad():
+            return self._loss(self.outputs[mb], target, share, mb)[1]
 
     def _loss(
         self, out: Any, target: Any, share: float, mb: int
@@ -165,6 +173,11 @@ class StageRunner:
         saved = self._saved.pop(mb)
         if saved.pending is not None:
             saved.pending.run()
+
+
+def _detached(value: Any) -> Any:
+    leaves, spec = flatten(value)
+    return unflatten([t.detach() for t in leaves], spec)
 
 
 def _edge_of(t: torch.Tensor) -> Any:

@@ -1,0 +1,120 @@
+"""What a training loop reaches for around step(): eval_step with metrics, a short last
+batch (num_microbatches per call), step(..., return_outputs=True), and example_args so that
+a traced model has its parameters (and an optimizer) before the first step. One spawn."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+from split_models import Stack
+
+from parity import D, blocks, check_case, grad_diff, mse
+
+
+def _mae(out: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"mae": (out - y).abs().mean(), "out_mean": out.mean()}
+
+
+def _eval_case(mesh: Any) -> dict[str, float]:
+    net = blocks(4)
+    ref = copy.deepcopy(net)
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", num_microbatches=4, loss_fn=mse)
+    torch.manual_seed(3)
+    x, y = torch.randn(12, D), torch.randn(12, D)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    loss, metrics = pipe.eval_step(x, target=y, metrics_fn=_mae)
+    with torch.no_grad():
+        out = ref(x)
+        expected = mse(out, y)
+    # microbatches of 3 rows: the share-weighted mean of per-microbatch means = the mean
+    return {
+        "loss": abs(loss.item() - expected.item()),
+        "mae": abs(metrics["mae"].item() - (out - y).abs().mean().item()),
+        "out_mean": abs(metrics["out_mean"].item() - out.mean().item()),
+        "params_touched": max(
+            (p - b).abs().max().item() for p, b in zip(pipe.parameters(), before)
+        ),
+        "grads_made": float(any(p.grad is not None for p in pipe.parameters())),
+    }
+
+
+def _short_batch_case(mesh: Any) -> dict[str, float]:
+    net = blocks(4)
+    ref = copy.deepcopy(net)
+    pipe = meshpipe.Pipeline(net, mesh, "zbv", num_microbatches=8, loss_fn=mse)
+    torch.manual_seed(4)
+    x, y = torch.randn(3, D), torch.randn(3, D)  # fewer rows than the 8 microbatches
+    loss, out = pipe.step(x, target=y, num_microbatches=3, return_outputs=True)
+    expected = mse(ref(x), y)
+    expected.backward()
+    ev = pipe.eval_step(x, target=y, num_microbatches=3)
+    fwd = pipe.forward(x, num_microbatches=3)
+    with torch.no_grad():
+        ref_out = ref(x)
+    res = {
+        "loss": abs(loss.item() - expected.item()),
+        "eval": abs(ev.item() - expected.item()),
+        "grad": grad_diff(pipe, ref),
+        "outputs_where_last": float((out is not None) == pipe.holds_last_stage),
+    }
+    if out is not None:
+        res["outputs"] = (out - ref_out).abs().max().item()
+        res["forward"] = (fwd - ref_out).abs().max().item()
+    return res
+
+
+def _example_args_case(mesh: Any) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = Stack(num_blocks=4)  # not a Sequential: split by tracing
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", num_microbatches=2, loss_fn=mse, example_args=(x,)
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)  # before any step: the split is done
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        pipe.step(x, target=y)
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    worst = max((p - ref_params[n]).abs().max().item() for n, p in pipe.named_parameters())
+    return {"params_after_2_sgd_steps": worst}
+
+
+def _all(_: None = None) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    mesh = meshpipe.init_mesh(pp=2)
+    return {
+        "eval": _eval_case(mesh),
+        "short": _short_batch_case(mesh),
+        "example_args": _example_args_case(mesh),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_on_ranks(_all, 2, timeout=240)
+
+
+def test_eval_step_loss_and_metrics_match_one_process_on_every_rank(results: Any) -> None:
+    check_case(results, "eval")
+
+
+def test_short_last_batch_runs_with_fewer_microbatches(results: Any) -> None:
+    for res in results:
+        assert res["short"].pop("outputs_where_last") == 1.0
+    check_case(results, "short")
+
+
+def test_example_args_split_before_the_first_step(results: Any) -> None:
+    check_case(results, "example_args")
