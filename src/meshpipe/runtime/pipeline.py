@@ -76,6 +76,9 @@ class Pipeline:
     they were given the same call (schedule, microbatch count, mode, input and target
     structure, shapes and dtypes; ``check_inputs="values"`` also compares the input values,
     ``"off"`` skips it): a difference raises PipelineError on every rank naming it.
+    ``autocast=torch.bfloat16`` runs every stage's forward and the loss under
+    ``torch.autocast`` (fp32 parameters and gradients, bf16 compute and activations on the
+    wire), with or without FSDP2.
     """
 
     def __init__(
@@ -101,10 +104,18 @@ class Pipeline:
         check_inputs: str = "shapes",
         example_args: Sequence[Any] | None = None,
         example_kwargs: Mapping[str, Any] | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         if check_inputs not in CHECKS:
             raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
         self.check_inputs = check_inputs
+        if autocast is not None and not (
+            isinstance(autocast, torch.dtype) and autocast in (torch.bfloat16, torch.float16)
+        ):
+            raise PipelineError(
+                f"autocast must be torch.bfloat16 or torch.float16, got {autocast!r}"
+            )
+        self._autocast = autocast
         self._digests: dict[int, str] = {}
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -155,8 +166,9 @@ class Pipeline:
             module = self._spmd.wrap(s, modules[s].to(topo.device))
             module.train(self._training)
             self._runners[s] = StageRunner(
-                s, module, is_first=s == 0, is_last=s == sched.num_stages - 1, loss_fn=self.loss_fn
-            )
+                s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,
+                loss_fn=self.loss_fn, autocast=self._autocast,
+            )  # fmt: skip
 
     def _ensure_split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Split a whole model once its inputs are known (collective; see meshpipe.split)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,8 +58,10 @@ class StageRunner:
         is_first: bool,
         is_last: bool,
         loss_fn: LossFn | None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.index = index
+        self.autocast = autocast
         self.module = module
         self.is_first = is_first
         self.is_last = is_last
@@ -72,7 +75,18 @@ class StageRunner:
         self._saved.clear()
         self.outputs.clear()
 
+    def _mixed(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast to the pipeline's compute dtype (stage forward and loss), if any."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        device = next((p.device.type for p in self.module.parameters()), "cpu")
+        return torch.autocast(device_type=device, dtype=self.autocast)
+
     def _call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._mixed():
+            return self._plain_call(value, args, kwargs)
+
+    def _plain_call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Protocol for stage modules that read the model's own inputs (made by meshpipe.split):
         # a module with ``meshpipe_model_inputs = True`` is called as
         # ``module(boundary_value, model_args, model_kwargs)``, boundary None on stage 0.
@@ -127,7 +141,8 @@ class StageRunner:
     ) -> tuple[torch.Tensor, LossRecord]:
         if self.loss_fn is None:
             raise PipelineError("step() needs a loss_fn; pass loss_fn= to Pipeline")
-        result = self.loss_fn(out, target)
+        with self._mixed():  # autocast computes losses such as mse and cross entropy in fp32
+            result = self.loss_fn(out, target)
         if isinstance(result, (tuple, list)):
             if len(result) != 2:
                 raise PipelineError(
