@@ -81,12 +81,14 @@ def test_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
         "stages/rank",
         "makespan",
         "bubble",
-        "max",
         "peak",
         "act",
+        "(rank",
+        "x",
+        "mb)",
     ]
-    assert lines[1].split() == ["1f1b", "1", "33", "0.2727", "4"]
-    assert lines[2].split() == ["gpipe", "1", "33", "0.2727", "8"]
+    assert lines[1].split() == ["1f1b", "1", "33", "0.2727", "4", "<-", "best"]
+    assert lines[2].split() == ["gpipe", "1", "33", "0.2727", "8", "<-", "best"]
 
 
 def test_compare_shows_refusals_in_rows(capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,6 +102,20 @@ def test_compare_shows_refusals_in_rows(capsys: pytest.CaptureFixture[str]) -> N
 def test_compare_costs_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", "1f1b", *SIZE, "--costs-per-rank"]) == 0
     assert "33" in capsys.readouterr().out
+
+
+def test_compare_is_fair_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's example: the same work per rank for every schedule (a V schedule's stage
+    is half a rank's layers), peak memory in one unit, the best row marked."""
+    argv = ["compare", "1f1b", "zbh1", "zbv", *SIZE, "--f", "1", "--b", "2", "--w", "1"]
+    assert main(argv) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["1f1b"][2:5] == ["33", "0.2727", "4"]
+    assert rows["zbv"][2:] == ["25.5", "0.0588", "4", "<-", "best"]
+    assert "best" not in rows["1f1b"] and "best" not in rows["zbh1"]
+    assert main([*argv, "--costs-per-stage"]) == 0  # the old reading: zbv does double work
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["zbv"][2:5] == ["51", "0.0588", "4"]
 
 
 @pytest.mark.parametrize(

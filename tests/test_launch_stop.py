@@ -45,7 +45,9 @@ def main():
     )
 """
 
-KILL_SCRIPT = PROLOGUE.replace("TIMEOUT", "60.0") + """    calls = []
+KILL_SCRIPT = (
+    PROLOGUE.replace("TIMEOUT", "60.0")
+    + """    calls = []
 
     def die(*_):
         calls.append(1)
@@ -61,10 +63,13 @@ KILL_SCRIPT = PROLOGUE.replace("TIMEOUT", "60.0") + """    calls = []
 
 main()
 """
+)
 
 # Rank 1 freezes (SIGSTOP) before step 1; rank 0 times out (Pipeline timeout 3 s) and
 # notes when it raised: from then on, ending the job is the launcher's work.
-STOP_SCRIPT = PROLOGUE.replace("TIMEOUT", "3.0") + """    for step in range(3):
+STOP_SCRIPT = (
+    PROLOGUE.replace("TIMEOUT", "3.0")
+    + """    for step in range(3):
         if step == 1 and mesh.get_local_rank("pp") == 1:
             with open(os.path.join(out, "stopped"), "w") as fh:
                 fh.write(repr(time.time()))
@@ -78,6 +83,7 @@ STOP_SCRIPT = PROLOGUE.replace("TIMEOUT", "3.0") + """    for step in range(3):
 
 main()
 """
+)
 
 
 def _script(tmp_path: Path, name: str, text: str) -> Path:

@@ -176,10 +176,14 @@ def _configure_compare(p: argparse.ArgumentParser) -> None:
     _add_schedule_args(p, many=True)
     _add_cost_args(p)
     p.add_argument(
-        "--costs-per-rank",
+        "--costs-per-stage",
         action="store_true",
-        help="read f/b/w as the cost of a rank's whole share and divide by stages per rank, "
-        "so schedules with more stages per rank do the same total work",
+        help="read f/b/w as the cost of one stage, whatever the stages per rank (by default "
+        "they are the cost of a rank's whole share, divided by its stages, so every schedule "
+        "does the same work per rank)",
+    )
+    p.add_argument(
+        "--costs-per-rank", action="store_true", help="the default; kept for old scripts"
     )
 
 
@@ -187,17 +191,20 @@ def _compare_row(name: str, args: argparse.Namespace) -> list[str]:
     try:
         s = _load_schedule(name, args)
         cost = _cost_from_args(args)
-        if args.costs_per_rank and s.stages_per_rank > 1:
+        if not args.costs_per_stage and s.stages_per_rank > 1:
             cost = _scale_cost(cost, 1.0 / s.stages_per_rank)
         t = simulate(s, cost)
     except (CliError, ValueError, MeshpipeError, OSError) as e:
         return [name, "-", "-", "-", f"refused: {str(e).splitlines()[0]}"]
+    # peak activations in one unit for every schedule: a rank's share of the layers for
+    # one microbatch (a V schedule's stage holds half of it)
+    peak = max(t.peak_activations, default=0) / s.stages_per_rank
     return [
         s.name,
         str(s.stages_per_rank),
         f"{t.makespan:g}",
         f"{t.bubble_fraction:.4f}",
-        str(max(t.peak_activations, default=0)),
+        f"{peak:g}",
     ]
 
 
@@ -210,8 +217,13 @@ def _scale_cost(cost: Cost, k: float) -> Cost:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    header = ["schedule", "stages/rank", "makespan", "bubble", "max peak act"]
-    rows = [header] + [_compare_row(n, args) for n in args.names]
+    header = ["schedule", "stages/rank", "makespan", "bubble", "peak act (rank x mb)", ""]
+    body = [_compare_row(n, args) for n in args.names]
+    times = [float(r[2]) for r in body if r[2] != "-"]
+    best = min(times, default=None)
+    for r in body:
+        r.append("<- best" if best is not None and r[2] != "-" and float(r[2]) == best else "")
+    rows = [header] + body
     widths = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(header))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
