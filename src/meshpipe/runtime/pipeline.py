@@ -26,6 +26,7 @@ from meshpipe.runtime.microbatch import (
 )
 from meshpipe.runtime.p2p import Channels, Comm, DescCache
 from meshpipe.runtime.pytree import flatten
+from meshpipe.runtime.recompute import Policy, apply_policy, check_policy
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.schedules import Schedules
 from meshpipe.runtime.spmd import Spmd
@@ -105,6 +106,7 @@ class Pipeline:
         example_args: Sequence[Any] | None = None,
         example_kwargs: Mapping[str, Any] | None = None,
         autocast: torch.dtype | None = None,
+        activation_checkpointing: Policy = None,
     ) -> None:
         if check_inputs not in CHECKS:
             raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
@@ -116,6 +118,8 @@ class Pipeline:
                 f"autocast must be torch.bfloat16 or torch.float16, got {autocast!r}"
             )
         self._autocast = autocast
+        check_policy(activation_checkpointing)
+        self._recompute = activation_checkpointing
         self._digests: dict[int, str] = {}
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -168,6 +172,7 @@ class Pipeline:
             self._runners[s] = StageRunner(
                 s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,
                 loss_fn=self.loss_fn, autocast=self._autocast,
+                recompute=apply_policy(module, self._recompute, s),
             )  # fmt: skip
 
     def _ensure_split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.backward import WeightGrad, backward_full, backward_input
@@ -59,9 +60,11 @@ class StageRunner:
         is_last: bool,
         loss_fn: LossFn | None,
         autocast: torch.dtype | None = None,
+        recompute: bool = False,
     ) -> None:
         self.index = index
         self.autocast = autocast
+        self.recompute = recompute  # activation checkpointing of the whole stage
         self.module = module
         self.is_first = is_first
         self.is_last = is_last
@@ -84,6 +87,9 @@ class StageRunner:
 
     def _call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with self._mixed():
+            if self.recompute and torch.is_grad_enabled():
+                # keep only the stage's inputs; backward (I, or B) runs the forward again
+                return checkpoint(self._plain_call, value, args, kwargs, use_reentrant=False)
             return self._plain_call(value, args, kwargs)
 
     def _plain_call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
