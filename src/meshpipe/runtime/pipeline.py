@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -158,6 +159,8 @@ class Pipeline:
         self._watchdog = Watchdog() if topo.device.type == "cuda" else None
         self._comm_now: Comm | None = None
         self._broken: str | None = None  # why this pipeline's groups can no longer be used
+        self._sync = True  # False inside no_sync(): gradients stay local to the dp replica
+        self._unsynced: dict[nn.Parameter, torch.Tensor] = {}  # local sums since no_sync
         self._records: list[ActionRecord] = []
         self._status = RankStatus()
         self._steps = 0
@@ -263,6 +266,7 @@ class Pipeline:
         return clip_grad_norm_(self.parameters(), max_norm, topo.axis_sizes, self._pp_axis)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._unsynced.clear()  # accumulated no_sync gradients are discarded too
         for m in self.stages:
             m.zero_grad(set_to_none=set_to_none)
 
@@ -442,7 +446,9 @@ class Pipeline:
         comm = self._comm(schedule, signatures)
         comm.gate = gate
         self._status = RankStatus(phase="pipeline")
-        before, after = self._spmd.hooks(schedule, self.topology.pp_rank) if training else ({}, {})
+        overlap = self._sync and not self._unsynced  # the usual step: reduce as stages finish
+        hooks = self._spmd.hooks(schedule, self.topology.pp_rank, sync=overlap)
+        before, after = hooks if training else ({}, {})
         if training:
             self._spmd.begin_step()
         self._comm_now = comm
@@ -491,6 +497,7 @@ class Pipeline:
         target: Any = None,
         num_microbatches: int | None = None,
         return_outputs: bool = False,
+        grad_scale: float | None = None,
         **kwargs: Any,
     ) -> Any:
         """One training step over all microbatches; returns the loss (same on every rank).
@@ -519,8 +526,17 @@ class Pipeline:
                     p.grad = old
             raise
         self._status.phase = "reduce"
+        if self._sync and self._unsynced:
+            # .grad holds the local sums of the no_sync steps, which are reduced now (with
+            # this step's): keep only what was there before them
+            for i, (p, old) in enumerate(zip(params, stash, strict=True)):
+                kept = self._unsynced.get(p)
+                if kept is not None and old is not None:
+                    stash[i] = old - kept
+                elif kept is not None:  # zeroed (set to None) since: nothing to reduce
+                    del self._unsynced[p]
         try:
-            loss = self._reduce(losses, params, sched)
+            loss = self._reduce(losses, params, sched, 1.0 if grad_scale is None else grad_scale)
         except BaseException as e:
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
@@ -582,31 +598,59 @@ class Pipeline:
         return merge_outputs(out)
 
     def _reduce(
-        self, losses: dict[int, Any], params: list[nn.Parameter], sched: Schedule
+        self, losses: dict[int, Any], params: list[nn.Parameter], sched: Schedule, gs: float
     ) -> torch.Tensor:
-        """End of step: the loss agreed over pp and dp, gradients reduced and scaled."""
+        """End of step: the loss agreed over pp and dp, gradients reduced (over dp, unless
+        in no_sync) and scaled by the loss normalisation times ``gs`` (grad_scale)."""
         factor = self._spmd.finish_step(self.timeout)
         topo = self.topology
-        last_rank = sched.placement[-1]
         loss, scale = reduce_loss(
-            losses,
-            self.holds_last_stage,
-            topo.pp_global_ranks[last_rank],
-            topo.pp_group,
-            topo.dp_group,
-            topo.device,
-            timeout=self.timeout,
-            watchdog=self._watchdog,
-        )
-        if self._spmd.grads_summed_elsewhere:
-            reduce_grads(params, scale * factor, None)
-        else:
-            reduce_grads(
-                params, scale, topo.dp_group, timeout=self.timeout, watchdog=self._watchdog
-            )
+            losses, self.holds_last_stage, topo.pp_global_ranks[sched.placement[-1]],
+            topo.pp_group, topo.dp_group, topo.device,
+            timeout=self.timeout, watchdog=self._watchdog,
+        )  # fmt: skip
         if self._whole is not None:
             self._whole.sync_grads()  # tied weights: sum over the stages holding them
+        dp_group = topo.dp_group
+        if self._sync and not self._unsynced:  # the usual step
+            if self._spmd.grads_summed_elsewhere:
+                reduce_grads(params, scale * factor * gs, None)
+            else:
+                reduce_grads(params, scale * gs, dp_group, self.timeout, self._watchdog)
+            return loss
+        # accumulation: this step's gradients scaled locally (the loss normalisation is the
+        # step's own), kept local in no_sync, and summed over dp with the kept ones after it
+        reduce_grads(params, scale * gs, None)
+        if not self._sync:
+            for p in params:
+                if p.grad is not None:
+                    kept = self._unsynced.get(p)
+                    self._unsynced[p] = p.grad.clone() if kept is None else kept + p.grad
+            return loss
+        for p in params:
+            kept = self._unsynced.get(p)
+            if kept is not None:
+                p.grad = kept if p.grad is None else p.grad + kept
+        self._unsynced.clear()
+        reduce_grads(params, 1.0, dp_group, self.timeout, self._watchdog)
         return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: steps inside add their (scaled) gradients to ``.grad``
+        locally, without the dp reductions; the next step outside reduces everything, as
+        DDP's ``no_sync`` does. Not with ``dp="fsdp"`` yet."""
+        if self._spmd.uses_fsdp:
+            raise PipelineError(
+                "no_sync() is not supported with dp='fsdp' yet (FSDP2 keeps the unsharded "
+                "gradients itself); accumulate with grad_scale= and a reduction per step"
+            )
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
 
     def forward(self, *args: Any, num_microbatches: int | None = None, **kwargs: Any) -> Any:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""

@@ -97,7 +97,7 @@ class Spmd:
             fsdp_begin_step(module)
 
     def hooks(
-        self, schedule: Schedule, rank: int
+        self, schedule: Schedule, rank: int, sync: bool = True
     ) -> tuple[dict[Action, list[Hook]], dict[Action, list[Hook]]]:
         """(before, after) callbacks per action: gradient reductions right after each local
         stage's last backward action of the step; FSDP2 reshards while a stage is idle and
@@ -108,7 +108,7 @@ class Spmd:
                 last[a.stage] = a
         after: dict[Action, list[Hook]] = {}
         for stage, action in last.items():
-            if stage in self._syncs:
+            if stage in self._syncs and sync:
                 after.setdefault(action, []).append(self._syncs[stage].start)
         before: dict[Action, list[Hook]] = {}
         if self._fsdp:
@@ -129,6 +129,10 @@ class Spmd:
         for sync in self._syncs.values():
             sync.finish(timeout)
         return float(self.topo.dp_size) if self._fsdp else 1.0
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return bool(self._fsdp)
 
     @property
     def grads_summed_elsewhere(self) -> bool:
