@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.agree import CHECKS, Agreement, fingerprint, schedule_digest
+from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
 from meshpipe.runtime.microbatch import (
@@ -108,6 +109,7 @@ class Pipeline:
         example_kwargs: Mapping[str, Any] | None = None,
         autocast: torch.dtype | None = None,
         activation_checkpointing: Policy = None,
+        compile: CompileOption = False,
     ) -> None:
         if check_inputs not in CHECKS:
             raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
@@ -121,6 +123,7 @@ class Pipeline:
         self._autocast = autocast
         check_policy(activation_checkpointing)
         self._recompute = activation_checkpointing
+        self._compile = compile_options(compile)
         self._digests: dict[int, str] = {}
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -176,6 +179,7 @@ class Pipeline:
                 s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,
                 loss_fn=self.loss_fn, autocast=self._autocast,
                 recompute=apply_policy(module, self._recompute, s),
+                fused_backward=compile_stage(module, self._compile),
             )  # fmt: skip
 
     def _ensure_split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

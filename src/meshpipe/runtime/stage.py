@@ -61,8 +61,12 @@ class StageRunner:
         loss_fn: LossFn | None,
         autocast: torch.dtype | None = None,
         recompute: bool = False,
+        fused_backward: bool = False,
     ) -> None:
         self.index = index
+        # a compiled stage's backward is one fused autograd node (weights and inputs at
+        # once): I runs it whole and W has nothing left to do
+        self.fused_backward = fused_backward
         self.autocast = autocast
         self.recompute = recompute  # activation checkpointing of the whole stage
         self.module = module
@@ -178,7 +182,7 @@ class StageRunner:
                     f"stage {self.index} mb {mb}: received {len(gs)} gradients for "
                     f"{len(saved.roots)} outputs"
                 )
-        if split:
+        if split and not self.fused_backward:
             in_grads, saved.pending = backward_input(saved.roots, gs, saved.inputs)
         else:
             in_grads = backward_full(saved.roots, gs, saved.inputs)
@@ -191,6 +195,8 @@ class StageRunner:
 
     def weight(self, mb: int) -> None:
         """W for ``mb``: the weight half of a split backward."""
+        if self.fused_backward:  # I did the weights too
+            return
         saved = self._saved.pop(mb)
         if saved.pending is not None:
             saved.pending.run()
