@@ -46,6 +46,15 @@ class OnCall(nn.Module):
         return self.lin(x)
 
 
+def refusal(fn: Callable[[], Any]) -> str:
+    """The message of the PipelineError ``fn`` raises, or "accepted" if it raises none."""
+    try:
+        fn()
+    except meshpipe.PipelineError as e:
+        return str(e)
+    return "accepted"
+
+
 def blocks(num: int = 8, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(*[Block() for _ in range(num)])
