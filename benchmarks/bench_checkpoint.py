@@ -13,6 +13,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,10 +62,10 @@ def main() -> None:
         for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
             _checksums(mode == "on")
             path = os.path.join(root, mode)
-            times.setdefault(f"save_{mode}", []).append(_timed(lambda: ck.save(m, path)))
-            times.setdefault(f"load_{mode}", []).append(_timed(lambda: ck.load(m, path)))
+            times.setdefault(f"save_{mode}", []).append(_timed(partial(ck.save, m, path)))
+            times.setdefault(f"load_{mode}", []).append(_timed(partial(ck.load, m, path)))
             _evict(path)
-            times.setdefault(f"cold_{mode}", []).append(_timed(lambda: ck.load(m, path)))
+            times.setdefault(f"cold_{mode}", []).append(_timed(partial(ck.load, m, path)))
     _checksums(True)
     print(f"checkpoint {mb:.0f} MB, {REPS} reps, load average {os.getloadavg()[0]:.1f}")
     for op in ("save", "load", "cold"):
