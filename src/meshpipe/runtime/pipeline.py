@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.clip import clip_grad_norm_
+from meshpipe.runtime.accumulate import Accumulator
 from meshpipe.runtime.agree import CHECKS, Agreement, fingerprint, schedule_digest
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
@@ -26,6 +27,7 @@ from meshpipe.runtime.microbatch import (
     merge_outputs,
     split_microbatches,
 )
+from meshpipe.runtime.modules import initial_mode, stage_modules
 from meshpipe.runtime.p2p import Channels, Comm, DescCache
 from meshpipe.runtime.pytree import flatten
 from meshpipe.runtime.recompute import Policy, apply_policy, check_policy
@@ -34,34 +36,15 @@ from meshpipe.runtime.schedules import Schedules
 from meshpipe.runtime.spmd import Spmd
 from meshpipe.runtime.stage import StageRunner
 from meshpipe.runtime.topology import Topology, pp_channels
+from meshpipe.runtime.trace import save_trace
 from meshpipe.runtime.waits import Watchdog
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.program import P2P, program_positions
-from meshpipe.split.sequential import split_sequential
 from meshpipe.split.whole import WholeModel
 
 __all__ = ["Pipeline"]
 
 log = logging.getLogger(__name__)
-
-
-def _split_sequential(model: nn.Sequential, num_stages: int) -> list[nn.Module]:
-    """Split evenly by layer count; each part keeps the original child names ("3", "4", ...)."""
-    names = [name for name, _ in model.named_children()]
-    if len(names) < num_stages:
-        raise PipelineError(
-            f"nn.Sequential has {len(names)} layers, fewer than the {num_stages} stages the "
-            "schedule needs; use fewer stages or pass a list of stage modules"
-        )
-    starts = [round(i * len(names) / num_stages) for i in range(1, num_stages)]
-    return split_sequential(model, [names[k] for k in starts])
-
-
-def _initial_mode(model: nn.Module | Sequence[nn.Module]) -> bool:
-    """The mode the user's model is in: a list of stages is in train mode if any stage is."""
-    if isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList):
-        return bool(model.training)
-    return any(bool(getattr(m, "training", True)) for m in model)
 
 
 class Pipeline:
@@ -146,7 +129,7 @@ class Pipeline:
         self.mesh = mesh
         sched = self.schedule
         self._runners: dict[int, StageRunner] = {}
-        self._training = _initial_mode(model)
+        self._training = initial_mode(model)
         # a whole model goes to meshpipe.split; it may wait for the first call's inputs
         self._whole: WholeModel | None = None
         if WholeModel.wanted(model, split_points):
@@ -155,15 +138,14 @@ class Pipeline:
             # for the optimizer and checkpoint.load before the first step
             self._ensure_split(tuple(example_args or ()), dict(example_kwargs or {}))
         else:
-            self._build_runners(self._stage_modules(model))
+            self._build_runners(stage_modules(model, self.schedule))
         self._programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
         self._channels: Channels = pp_channels(topo, self.timeout)
         self._descs = DescCache()
         self._watchdog = Watchdog() if topo.device.type == "cuda" else None
         self._comm_now: Comm | None = None
         self._broken: str | None = None  # why this pipeline's groups can no longer be used
-        self._sync = True  # False inside no_sync(): gradients stay local to the dp replica
-        self._unsynced: dict[nn.Parameter, torch.Tensor] = {}  # local sums since no_sync
+        self._accumulate = Accumulator()  # no_sync(): gradients stay local to the replica
         self._records: list[ActionRecord] = []
         self._status = RankStatus()
         self._steps = 0
@@ -195,27 +177,6 @@ class Pipeline:
             whole.build(
                 args, kwargs, local, sched.placement, self.mesh, self._pp_axis, topo.device, first
             )
-        )
-
-    def _stage_modules(self, model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
-        n = self.schedule.num_stages
-        if isinstance(model, nn.Sequential):
-            return _split_sequential(model, n)
-        if isinstance(model, (list, tuple, nn.ModuleList)):
-            mods = list(model)
-            if len(mods) != n:
-                raise PipelineError(
-                    f"{len(mods)} stage modules given but schedule {self.schedule.name!r} has "
-                    f"{n} stages ({self.schedule.num_ranks} ranks x "
-                    f"{self.schedule.stages_per_rank} per rank)"
-                )
-            for i, m in enumerate(mods):
-                if not isinstance(m, nn.Module):
-                    raise PipelineError(f"stage {i} is a {type(m).__name__}, not an nn.Module")
-            return mods
-        raise PipelineError(
-            f"model must be an nn.Sequential or a list of stage modules, got "
-            f"{type(model).__name__}; see meshpipe.split for other models"
         )
 
     # -- mode ----------------------------------------------------------------------------
@@ -270,7 +231,7 @@ class Pipeline:
         return clip_grad_norm_(self.parameters(), max_norm, topo.axis_sizes, self._pp_axis)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._unsynced.clear()  # accumulated no_sync gradients are discarded too
+        self._accumulate.clear()  # accumulated no_sync gradients are discarded too
         for m in self.stages:
             m.zero_grad(set_to_none=set_to_none)
 
@@ -316,36 +277,7 @@ class Pipeline:
         Collective: every process calls it; global rank 0 writes the file. Waits longer
         than 20 us before an action's inputs arrive appear as "wait" events.
         """
-        from meshpipe.sim.render import chrome_trace, save_chrome_trace
-
-        rows = [
-            (
-                str(r.action),
-                r.start,
-                r.end,
-                {
-                    "op": r.action.op.value,
-                    "stage": r.action.stage,
-                    "mb": r.action.mb,
-                    "wait_s": r.ready - r.start,
-                },
-            )
-            for r in self._records
-        ]
-        waits = [
-            (f"wait {r.action}", r.start, r.ready, {"wait": True})
-            for r in self._records
-            if r.ready - r.start > 20e-6
-        ]
-        mine = rows + waits
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
-        if dist.is_initialized():
-            dist.all_gather_object(gathered, mine)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            t0 = min((row[1] for per in gathered for row in per), default=0.0)
-            shifted = [[(n, a - t0, b - t0, args) for n, a, b, args in per] for per in gathered]
-            trace = chrome_trace(shifted, metadata={"schedule": self.schedule.name})
-            save_chrome_trace(trace, path)
+        save_trace(self._records, path, self.schedule.name)
 
     # -- running -----------------------------------------------------------------------
     def _check_call(
@@ -450,8 +382,8 @@ class Pipeline:
         comm = self._comm(schedule, signatures)
         comm.gate = gate
         self._status = RankStatus(phase="pipeline")
-        overlap = self._sync and not self._unsynced  # the usual step: reduce as stages finish
-        hooks = self._spmd.hooks(schedule, self.topology.pp_rank, sync=overlap)
+        # the usual step reduces as stages finish; accumulation reduces at the end
+        hooks = self._spmd.hooks(schedule, self.topology.pp_rank, sync=self._accumulate.usual)
         before, after = hooks if training else ({}, {})
         if training:
             self._spmd.begin_step()
@@ -530,15 +462,7 @@ class Pipeline:
                     p.grad = old
             raise
         self._status.phase = "reduce"
-        if self._sync and self._unsynced:
-            # .grad holds the local sums of the no_sync steps, which are reduced now (with
-            # this step's): keep only what was there before them
-            for i, (p, old) in enumerate(zip(params, stash, strict=True)):
-                kept = self._unsynced.get(p)
-                if kept is not None and old is not None:
-                    stash[i] = old - kept
-                elif kept is not None:  # zeroed (set to None) since: nothing to reduce
-                    del self._unsynced[p]
+        self._accumulate.unstash(params, stash)
         try:
             loss = self._reduce(losses, params, sched, 1.0 if grad_scale is None else grad_scale)
         except BaseException as e:
@@ -616,27 +540,12 @@ class Pipeline:
         if self._whole is not None:
             self._whole.sync_grads()  # tied weights: sum over the stages holding them
         dp_group = topo.dp_group
-        if self._sync and not self._unsynced:  # the usual step
-            if self._spmd.grads_summed_elsewhere:
-                reduce_grads(params, scale * factor * gs, None)
-            else:
-                reduce_grads(params, scale * gs, dp_group, self.timeout, self._watchdog)
-            return loss
-        # accumulation: this step's gradients scaled locally (the loss normalisation is the
-        # step's own), kept local in no_sync, and summed over dp with the kept ones after it
-        reduce_grads(params, scale * gs, None)
-        if not self._sync:
-            for p in params:
-                if p.grad is not None:
-                    kept = self._unsynced.get(p)
-                    self._unsynced[p] = p.grad.clone() if kept is None else kept + p.grad
-            return loss
-        for p in params:
-            kept = self._unsynced.get(p)
-            if kept is not None:
-                p.grad = kept if p.grad is None else p.grad + kept
-        self._unsynced.clear()
-        reduce_grads(params, 1.0, dp_group, self.timeout, self._watchdog)
+        if not self._accumulate.usual:
+            self._accumulate.reduce(params, scale * gs, dp_group, self.timeout, self._watchdog)
+        elif self._spmd.grads_summed_elsewhere:
+            reduce_grads(params, scale * factor * gs, None)
+        else:
+            reduce_grads(params, scale * gs, dp_group, self.timeout, self._watchdog)
         return loss
 
     @contextlib.contextmanager
@@ -649,12 +558,8 @@ class Pipeline:
                 "no_sync() is not supported with dp='fsdp' yet (FSDP2 keeps the unsharded "
                 "gradients itself); accumulate with grad_scale= and a reduction per step"
             )
-        previous = self._sync
-        self._sync = False
-        try:
+        with self._accumulate.paused():
             yield
-        finally:
-            self._sync = previous
 
     def forward(self, *args: Any, num_microbatches: int | None = None, **kwargs: Any) -> Any:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""

@@ -1,0 +1,56 @@
+"""The stage modules a Pipeline is given: a Sequential split evenly by layer count, or a list
+of stage modules checked against the schedule; and the train/eval mode they start in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from meshpipe.errors import PipelineError
+from meshpipe.schedule.ir import Schedule
+from meshpipe.split.sequential import split_sequential
+
+__all__ = ["split_evenly", "stage_modules", "initial_mode"]
+
+
+def split_evenly(model: nn.Sequential, num_stages: int) -> list[nn.Module]:
+    """Split evenly by layer count; each part keeps the original child names ("3", "4", ...)."""
+    names = [name for name, _ in model.named_children()]
+    if len(names) < num_stages:
+        raise PipelineError(
+            f"nn.Sequential has {len(names)} layers, fewer than the {num_stages} stages the "
+            "schedule needs; use fewer stages or pass a list of stage modules"
+        )
+    starts = [round(i * len(names) / num_stages) for i in range(1, num_stages)]
+    return split_sequential(model, [names[k] for k in starts])
+
+
+def initial_mode(model: nn.Module | Sequence[nn.Module]) -> bool:
+    """The mode the user's model is in: a list of stages is in train mode if any stage is."""
+    if isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList):
+        return bool(model.training)
+    return any(bool(getattr(m, "training", True)) for m in model)
+
+
+def stage_modules(model: nn.Module | Sequence[nn.Module], schedule: Schedule) -> list[nn.Module]:
+    """The schedule's stage modules from a Sequential (split evenly) or a list of stages."""
+    n = schedule.num_stages
+    if isinstance(model, nn.Sequential):
+        return split_evenly(model, n)
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        mods = list(model)
+        if len(mods) != n:
+            raise PipelineError(
+                f"{len(mods)} stage modules given but schedule {schedule.name!r} has "
+                f"{n} stages ({schedule.num_ranks} ranks x "
+                f"{schedule.stages_per_rank} per rank)"
+            )
+        for i, m in enumerate(mods):
+            if not isinstance(m, nn.Module):
+                raise PipelineError(f"stage {i} is a {type(m).__name__}, not an nn.Module")
+        return mods
+    raise PipelineError(
+        f"model must be an nn.Sequential or a list of stage modules, got "
+        f"{type(model).__name__}; see meshpipe.split for other models"
+    )
