@@ -91,7 +91,7 @@ def _boom() -> None:
     raise RuntimeError("boom in the last stage")
 
 
-def _one_stage_fails() -> tuple[str, str, float]:
+def _one_stage_fails() -> tuple[str, str, float, str]:
     mesh = meshpipe.init_mesh(pp=3)
     torch.manual_seed(0)
     stages = [nn.Linear(D, D), nn.Linear(D, D), OnCall(_boom, {3})]  # mb 2 of step 1
@@ -100,8 +100,10 @@ def _one_stage_fails() -> tuple[str, str, float]:
     try:
         pipe.step(torch.randn(8, D), target=torch.randn(8, D))
     except Exception as e:  # noqa: BLE001
-        return type(e).__name__, str(e), time.monotonic() - t0
-    return "nothing", "", time.monotonic() - t0
+        # the pipeline then refuses to run again (on every rank, before any communication)
+        again = _refused(lambda: pipe.step(torch.randn(8, D), target=torch.randn(8, D)))
+        return type(e).__name__, str(e), time.monotonic() - t0, again[1]
+    return "nothing", "", time.monotonic() - t0, ""
 
 
 def test_exception_in_one_stage_stops_every_rank() -> None:
@@ -109,9 +111,11 @@ def test_exception_in_one_stage_stops_every_rank() -> None:
     kinds = [r[0] for r in results]
     assert kinds == ["RemoteStageError", "RemoteStageError", "RuntimeError"], results
     assert "boom" in results[2][1]
-    for _kind, msg, seconds in results[:2]:
+    for _kind, msg, seconds, _again in results[:2]:
         assert "rank 2 failed" in msg and "boom" in msg
         assert seconds < 30, f"took {seconds:.1f}s to notice, timeout is 60s"
+    for *_, again in results:
+        assert "cannot run any more: an earlier step failed" in again, again
 
 
 def _peer_never_comes() -> tuple[str, str, dict[str, Any]]:

@@ -295,8 +295,9 @@ class Pipeline:
         passes the gate before its first transfer, so a refused call moves no data."""
         if self._broken is not None:
             raise PipelineError(
-                f"this Pipeline cannot run any more: {self._broken}; the process group's "
-                "connections are closed after a timeout, so restart the job"
+                f"this Pipeline cannot run any more: {self._broken}; its transfers may be out "
+                "of step with the other ranks' (after a timeout gloo closes the connections), "
+                "so restart the job (or build a new Pipeline on a new process group)"
             )
         agreement: Agreement | None = None
         if self.check_inputs != "off":
@@ -411,9 +412,10 @@ class Pipeline:
             if getattr(e, "meshpipe_refusal", False):  # refused on every rank, nothing moved
                 comm.close_refused()
                 raise
-            if isinstance(e, CommTimeoutError):
-                # gloo closes a connection whose wait timed out, NCCL aborts: no step after it
-                self._broken = f"an earlier step timed out ({e})"
+            # after a failed step the channels' state is not proven consistent (a timeout
+            # closes gloo's connections; a failure leaves ctrl readers to drain): no reuse
+            what = "timed out" if isinstance(e, CommTimeoutError) else "failed"
+            self._broken = f"an earlier step {what} ({type(e).__name__}: {str(e)[:300]})"
             cause = comm.remote_cause()
             comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
             self._descs = DescCache()  # descriptions are unknown after a broken step
