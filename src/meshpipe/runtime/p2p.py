@@ -44,7 +44,7 @@ from meshpipe.runtime.waits import Watchdog, translate, wait_work
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.program import P2P
 
-__all__ = ["Comm", "DescCache", "Desc", "Channels"]
+__all__ = ["Comm", "DescCache", "Desc", "Channels", "Reader"]
 
 log = logging.getLogger(__name__)
 
@@ -95,46 +95,64 @@ class _Recv:
     works: list[Any] = field(default_factory=list)
 
 
-class _Reader:
-    """A thread reading one peer's ctrl messages in order: values, an error, or the end."""
+class Reader:
+    """A thread reading one peer's ctrl messages in order, kept for the Pipeline's life: one
+    *epoch* per step, from the step's start to its terminator (end marker or error)."""
 
-    def __init__(self, comm: Comm, peer: int) -> None:
+    def __init__(self, rank: int, peer: int) -> None:
         self.peer = peer
         self.items: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.error: RemoteStageError | None = None
-        self.ended = False
-        self._comm = comm
+        self._comm: Comm | None = None
+        self._epochs = threading.Semaphore(0)
         self._thread = threading.Thread(
-            target=self._run, daemon=True, name=f"meshpipe-ctrl-{comm.rank}-from-{peer}"
+            target=self._run, daemon=True, name=f"meshpipe-ctrl-{rank}-from-{peer}"
         )
         self._thread.start()
 
+    def begin_epoch(self, comm: Comm) -> None:
+        """A step starts: read its messages (the previous epoch ended at its terminator)."""
+        self._comm = comm
+        self.error = None
+        self._epochs.release()
+
     def _run(self) -> None:
-        c = self._comm
+        while True:
+            self._epochs.acquire()
+            c = self._comm
+            if c is None or not self._read_epoch(c):
+                return  # the channel broke: no later step can use it
+
+    def _read_epoch(self, c: Comm) -> bool:
+        """Read up to the epoch's terminator; False when the channel failed."""
         try:
             while True:
                 header = c.ctrl_recv(self.peer, wire.HEADER_BYTES)
                 fields = wire.read_header(header)
                 if "e" in fields:
                     self.items.put(("error", c.remote_error(fields)))
-                    return
+                    return True
                 if "x" in fields:
                     self.items.put(("end", None))
-                    return
+                    return True
                 meta, got, value = wire.unpack(c.ctrl_recv(self.peer, int(fields["n"])))
                 self.items.put(("value", (got, value)))
         except BaseException as e:  # handed to the main thread, which raises it
             self.items.put(("failed", e))
+            return False
 
     def next(self, deadline: float, what: str) -> tuple[str, Any]:
         """The next message (blocking until ``deadline``); errors are raised."""
+        c = self._comm
+        if c is None:
+            raise PipelineError("internal: a ctrl reader was used outside a step")
         try:
             kind, item = self.items.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             raise CommTimeoutError(
-                f"rank {self._comm.rank} waited {self._comm.timeout:.1f}s for {what} from "
+                f"rank {c.rank} waited {c.timeout:.1f}s for {what} from "
                 f"rank {self.peer}; that rank is stuck or gone",
-                rank=self._comm.rank,
+                rank=c.rank,
                 peer=self.peer,
             ) from None
         return self._check(kind, item)
@@ -146,8 +164,9 @@ class _Reader:
         if kind == "failed":
             if isinstance(item, RemoteStageError):
                 raise item
+            rank = self._comm.rank if self._comm is not None else "?"
             raise RemoteStageError(
-                f"rank {self._comm.rank}: the control channel with rank {self.peer} broke: {item}"
+                f"rank {rank}: the control channel with rank {self.peer} broke: {item}"
             ) from item
         return kind, item
 
@@ -172,6 +191,7 @@ class Comm:
         cache: DescCache,
         signatures: Sequence[Hashable],
         watchdog: Watchdog | None = None,
+        readers: dict[int, Reader] | None = None,
     ) -> None:
         self.ch = channels
         self.rank = rank
@@ -179,6 +199,7 @@ class Comm:
         self.device = device
         self.cache = cache
         self.signatures = signatures
+        self._all_readers = {} if readers is None else readers  # the Pipeline's, by peer
         self.bytes_sent = 0
         self.ctrl_values_sent = 0  # values sent whole on ctrl (new description keys)
         self.peak_pending_sends = 0  # most sends posted and not yet waited for, at once
@@ -187,7 +208,7 @@ class Comm:
         self._outbox: dict[Transfer, Any] = {}
         self._recvs: dict[Transfer, _Recv] = {}
         self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
-        self._readers: dict[int, _Reader] = {}
+        self._readers: dict[int, Reader] = {}
         self._send_peers: set[int] = set()
         self._watchdog = watchdog  # set on CUDA: device waits are stream waits, bounded by it
         self._next_position = 0
@@ -212,7 +233,12 @@ class Comm:
             self._program.setdefault(position, []).append(group)
         recv_peers = {op.peer for g in groups for op in g if op.op == "recv"}
         self._send_peers = {op.peer for g in groups for op in g if op.op == "send"}
-        self._readers = {p: _Reader(self, p) for p in sorted(recv_peers)}
+        for p in sorted(recv_peers):
+            reader = self._all_readers.get(p)
+            if reader is None:
+                reader = self._all_readers[p] = Reader(self.rank, p)
+            reader.begin_epoch(self)
+            self._readers[p] = reader
 
     def finish(self) -> None:
         """End of step: sends done, end markers exchanged with every peer."""

@@ -28,7 +28,7 @@ from meshpipe.runtime.microbatch import (
     split_microbatches,
 )
 from meshpipe.runtime.modules import initial_mode, stage_modules
-from meshpipe.runtime.p2p import Channels, Comm, DescCache
+from meshpipe.runtime.p2p import Channels, Comm, DescCache, Reader
 from meshpipe.runtime.pytree import flatten
 from meshpipe.runtime.recompute import Policy, apply_policy, check_policy
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
@@ -142,6 +142,7 @@ class Pipeline:
         self._programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
         self._channels: Channels = pp_channels(topo, self.timeout)
         self._descs = DescCache()
+        self._readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
         self._watchdog = Watchdog() if topo.device.type == "cuda" else None
         self._comm_now: Comm | None = None
         self._broken: str | None = None  # why this pipeline's groups can no longer be used
@@ -354,6 +355,7 @@ class Pipeline:
             self._descs,
             signatures,
             self._watchdog,
+            self._readers,
         )
         comm.begin(*program)
         return comm
