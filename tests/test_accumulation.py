@@ -1,7 +1,7 @@
 """Gradient accumulation: two steps on halves with grad_scale=0.5, the first under
 pipe.no_sync(), give the gradients of one step on the whole batch (pp=2 x dp=2, DDP-style
-replicas and the plain dp all-reduce, 1f1b and zbv); grad_scale alone scales a step's
-gradients; no_sync with FSDP2 is refused. One spawn of 4 ranks."""
+replicas, the plain dp all-reduce and FSDP2, 1f1b and zbv); grad_scale alone scales a step's
+gradients; with FSDP2 unequal factors inside a window are refused. One spawn of 4 ranks."""
 
 from __future__ import annotations
 
@@ -26,14 +26,25 @@ def _accumulate(mesh: Any, name: str, dp: str | None) -> dict[str, float]:
     mx, my = dp_batch(x, mesh), dp_batch(y, mesh)  # this replica's 8 rows
     with pipe.no_sync():
         pipe.step(mx[:4], target=my[:4], grad_scale=0.5)
-    local = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    local = {n: None if p.grad is None else p.grad.clone() for n, p in pipe.named_parameters()}
     pipe.step(mx[4:], target=my[4:], grad_scale=0.5)
     mse(ref(x), y).backward()
     # inside no_sync the gradients stayed local: they differ from the reference (which is
     # the average over the replicas' data), unlike after the synced step
     ref_params = dict(ref.named_parameters())
+    if dp == "fsdp":  # FSDP2 shows accumulated gradients only after the synced step
+        return {"grad": _full_grad_diff(pipe, ref_params), "no_sync_grad_shown": float(
+            any(g is not None for g in local.values()))}  # fmt: skip
     stayed_local = max((local[n] - ref_params[n].grad).abs().max().item() for n in local)
     return {"grad": grad_diff(pipe, ref), "no_sync_grads_were_reduced": float(stayed_local < 1e-4)}
+
+
+def _full_grad_diff(pipe: meshpipe.Pipeline, ref_params: dict[str, Any]) -> float:
+    worst = 0.0
+    for name, p in pipe.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, (g - ref_params[name].grad).abs().max().item())
+    return worst
 
 
 def _scaled(mesh: Any) -> dict[str, float]:
@@ -52,11 +63,18 @@ def _all(_: None = None) -> dict[str, Any]:
     mesh = meshpipe.init_mesh(pp=2, dp=2)
     out: dict[str, Any] = {}
     for name in ("1f1b", "zbv"):
-        for dp in (None, "ddp"):
+        for dp in (None, "ddp", "fsdp"):
             out[f"{name}-{dp}"] = _accumulate(mesh, name, dp)
     out["scaled"] = _scaled(mesh)
     fsdp = meshpipe.Pipeline(blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse, dp="fsdp")
-    out["fsdp"] = refusal(lambda: fsdp.no_sync().__enter__())
+    x = torch.randn(4, D)
+
+    def unequal() -> None:
+        with fsdp.no_sync():
+            fsdp.step(x, target=x, grad_scale=0.25)
+        fsdp.step(x, target=x, grad_scale=0.75)
+
+    out["fsdp"] = refusal(unequal)
     return out
 
 
@@ -65,7 +83,7 @@ def results() -> list[dict[str, Any]]:
     return run_on_ranks(_all, 4, timeout=300)
 
 
-@pytest.mark.parametrize("dp", [None, "ddp"])
+@pytest.mark.parametrize("dp", [None, "ddp", "fsdp"])
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
 def test_two_halves_with_no_sync_equal_the_whole_batch(
     results: Any, name: str, dp: str | None
@@ -77,6 +95,8 @@ def test_grad_scale_scales_the_step(results: Any) -> None:
     check_case(results, "scaled")
 
 
-def test_no_sync_with_fsdp_is_refused(results: Any) -> None:
+def test_fsdp_window_with_unequal_factors_is_refused(results: Any) -> None:
     for res in results:
-        assert "not supported with dp='fsdp'" in res["fsdp"], res["fsdp"]
+        assert "same gradient factor" in res["fsdp"] and "0.125 then 0.375" in res["fsdp"], res[
+            "fsdp"
+        ]

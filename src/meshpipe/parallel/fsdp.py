@@ -38,9 +38,11 @@ def fsdp_begin_step(module: FSDPModule) -> None:
     module.set_is_last_backward(False)
 
 
-def fsdp_reduce(module: FSDPModule) -> None:
-    """The stage's backward for this step is done: reduce-scatter gradients and reshard."""
-    module.set_requires_gradient_sync(True)
+def fsdp_reduce(module: FSDPModule, sync: bool = True) -> None:
+    """The stage's backward for this step is done: reduce-scatter gradients and reshard.
+    ``sync=False`` (gradient accumulation): finish the backward and reshard, but keep the
+    unsharded gradients accumulated for a later synced step."""
+    module.set_requires_gradient_sync(sync)
     module.set_reshard_after_backward(True)
     module.set_is_last_backward(True)
     state: Any = fully_shard.state(module)  # type: ignore[attr-defined]

@@ -34,8 +34,9 @@ class FsdpPlan:
 class _Stage:
     """One FSDP2 stage's gather state during a step."""
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, sync: bool = True) -> None:
         self.module = module
+        self.sync = sync
         self.pending: Any = None
 
     def reshard(self) -> None:
@@ -53,22 +54,23 @@ class _Stage:
 
     def reduce(self) -> None:
         with torch.no_grad():
-            fsdp_reduce(self.module)
+            fsdp_reduce(self.module, self.sync)
 
 
 def plan_fsdp(
-    actions: tuple[Action, ...], modules: Mapping[int, Any], gap: int | None = 2
+    actions: tuple[Action, ...], modules: Mapping[int, Any], gap: int | None = 2, sync: bool = True
 ) -> FsdpPlan:
     """The hooks for one rank's ``actions``, over its FSDP2 stage ``modules``.
 
-    ``gap=None`` keeps parameters gathered for the whole step (no reshards)."""
+    ``gap=None`` keeps parameters gathered for the whole step (no reshards); ``sync=False``
+    ends the step without the reduce-scatter (gradients stay accumulated, unsharded)."""
     plan = FsdpPlan()
     uses: dict[int, list[int]] = {}
     for i, a in enumerate(actions):
         if a.stage in modules:
             uses.setdefault(a.stage, []).append(i)
     for stage, idxs in uses.items():
-        st = _Stage(modules[stage])
+        st = _Stage(modules[stage], sync)
         last_bwd = max((i for i in idxs if actions[i].op is not Op.F), default=None)
         plan.regathers[stage] = 0
         for i, j in zip(idxs, idxs[1:]):

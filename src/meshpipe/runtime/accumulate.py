@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshpipe.errors import PipelineError
 from meshpipe.runtime.reduce import reduce_grads
 from meshpipe.runtime.waits import Watchdog
 
@@ -22,6 +23,7 @@ class Accumulator:
     def __init__(self) -> None:
         self.synced = True
         self._kept: dict[nn.Parameter, torch.Tensor] = {}
+        self._factors: list[float] = []  # FSDP2 window: each step's gradient factor
 
     @property
     def usual(self) -> bool:
@@ -39,6 +41,27 @@ class Accumulator:
 
     def clear(self) -> None:
         self._kept.clear()
+        self._factors.clear()
+
+    def check_uniform(self, factor: torch.Tensor) -> None:
+        """FSDP2 accumulates unscaled gradients inside itself and the synced step scales
+        them all at once: exact only if every step of the window has the same factor (loss
+        normalisation x grad_scale). Reads the factor on the host (accumulation steps only)."""
+        if self.synced and not self._factors:
+            return
+        value = float(factor)
+        if self._factors and abs(value - self._factors[0]) > 1e-9 * abs(self._factors[0]):
+            first = self._factors[0]
+            self._factors.clear()
+            raise PipelineError(
+                "no_sync() with dp='fsdp' needs the same gradient factor (loss normalisation "
+                f"x grad_scale) on every accumulated step: {first:g} then {value:g}; use "
+                "equal grad_scale and a mean loss over batches of equal size, or DDP-style "
+                "replicas (dp='ddp')"
+            )
+        self._factors.append(value)
+        if self.synced:
+            self._factors.clear()
 
     def unstash(self, params: Sequence[nn.Parameter], stash: list[torch.Tensor | None]) -> None:
         """Before a synced step's reduction: ``.grad`` (the stash) holds the kept local sums,

@@ -449,7 +449,10 @@ class Pipeline:
         the ranks holding the last stage and None elsewhere.
         """
         sched = self._schedules.training(num_microbatches)
-        gate = self._check_call("step", sched, args, kwargs, target, training=True)
+        call = (
+            f"step (grad_scale {grad_scale}, {'synced' if self._accumulate.synced else 'no_sync'})"
+        )
+        gate = self._check_call(call, sched, args, kwargs, target, training=True)
         self._ensure_split(args, kwargs)
         last = self._runners.get(sched.num_stages - 1)
         if last is not None:
@@ -544,6 +547,8 @@ class Pipeline:
         if self._whole is not None:
             self._whole.sync_grads()  # tied weights: sum over the stages holding them
         dp_group = topo.dp_group
+        if self._spmd.uses_fsdp:
+            self._accumulate.check_uniform(scale * gs)
         if not self._accumulate.usual:
             self._accumulate.reduce(params, scale * gs, dp_group, self.timeout, self._watchdog)
         elif self._spmd.grads_summed_elsewhere:
@@ -556,12 +561,10 @@ class Pipeline:
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: steps inside add their (scaled) gradients to ``.grad``
         locally, without the dp reductions; the next step outside reduces everything, as
-        DDP's ``no_sync`` does. Not with ``dp="fsdp"`` yet."""
-        if self._spmd.uses_fsdp:
-            raise PipelineError(
-                "no_sync() is not supported with dp='fsdp' yet (FSDP2 keeps the unsharded "
-                "gradients itself); accumulate with grad_scale= and a reduction per step"
-            )
+        DDP's ``no_sync`` does. With ``dp="fsdp"`` FSDP2 keeps the accumulated gradients
+        unsharded until the synced step's reduce-scatter (``.grad`` shows them then), and
+        every step of the window must have the same loss normalisation and grad_scale
+        (checked; mean losses over equal batches have it)."""
         with self._accumulate.paused():
             yield
 

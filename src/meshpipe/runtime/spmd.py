@@ -112,7 +112,7 @@ class Spmd:
                 after.setdefault(action, []).append(self._syncs[stage].start)
         before: dict[Action, list[Hook]] = {}
         if self._fsdp:
-            plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap)
+            plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap, sync)
             for a, hs in plan.after.items():
                 after.setdefault(a, []).extend(hs)
             for a, hs in plan.before.items():
