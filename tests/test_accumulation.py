@@ -58,6 +58,30 @@ def _scaled(mesh: Any) -> dict[str, float]:
     return {"grad": grad_diff(pipe, ref)}
 
 
+def _autocast_tp(mesh: Any) -> dict[str, float]:
+    """bf16 autocast on pp=2 x tp=2 (no FSDP): against one process under the same autocast."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    net = blocks(4)
+    ref = copy.deepcopy(net)
+    plan = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
+    pipe = meshpipe.Pipeline(
+        net, mesh, "zbv", num_microbatches=2, loss_fn=mse, tp_plan=plan, autocast=torch.bfloat16
+    )
+    torch.manual_seed(9)
+    x, y = torch.randn(8, D), torch.randn(8, D)
+    loss = pipe.step(x, target=y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = mse(ref(x), y)
+    expected.backward()
+    fp32 = all(p.dtype == torch.float32 for p in pipe.parameters())
+    return {
+        "loss": abs(loss.item() - expected.item()),
+        "grad": _full_grad_diff(pipe, dict(ref.named_parameters())),
+        "not_fp32": float(not fp32),
+    }
+
+
 def _all(_: None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = meshpipe.init_mesh(pp=2, dp=2)
@@ -75,6 +99,7 @@ def _all(_: None = None) -> dict[str, Any]:
         fsdp.step(x, target=x, grad_scale=0.75)
 
     out["fsdp"] = refusal(unequal)
+    out["autocast_pp_tp"] = _autocast_tp(meshpipe.init_mesh(pp=2, tp=2))
     return out
 
 
@@ -100,3 +125,7 @@ def test_fsdp_window_with_unequal_factors_is_refused(results: Any) -> None:
         assert "same gradient factor" in res["fsdp"] and "0.125 then 0.375" in res["fsdp"], res[
             "fsdp"
         ]
+
+
+def test_bf16_autocast_on_pp_x_tp(results: Any) -> None:
+    check_case(results, "autocast_pp_tp", atol=5e-3)  # bf16 rounding, as on pp alone

@@ -1,0 +1,80 @@
+"""What the training-loop features cost: step time on 2 CPU ranks with activation
+checkpointing ("full") and with torch.compile (inductor) against eager, on 1f1b and zbv, in
+one run (8 pre-norm MLP blocks of width 256, 4 microbatches of 64 rows).
+
+    .venv/bin/python benchmarks/bench_features.py          # about a minute (compile: ~30 s)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "eager": {},
+    "activation_checkpointing='full'": {"activation_checkpointing": "full"},
+    "compile=True": {"compile": True},
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.ln(x))))
+
+
+def _ranks(reps: int) -> dict[str, dict[str, float]]:
+    torch.set_num_threads(1)
+    mesh = meshpipe.init_mesh(pp=2)
+    x, y = torch.randn(256, 256), torch.randn(256, 256)
+    out: dict[str, dict[str, float]] = {}
+    for name in ("1f1b", "zbv"):
+        pipes = {}
+        for label, options in VARIANTS.items():
+            torch.manual_seed(0)
+            net = nn.Sequential(*[Block(256) for _ in range(8)])
+            pipes[label] = meshpipe.Pipeline(
+                net, mesh, name, num_microbatches=4, loss_fn=nn.functional.mse_loss, **options
+            )
+        times: dict[str, list[float]] = {k: [] for k in pipes}
+        for r in range(reps + 2):  # two warm-up rounds (the first compiles)
+            for label, pipe in pipes.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                pipe.step(x, target=y)
+                took = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                pipe.zero_grad()
+                if r >= 2:
+                    times[label].append(float(took))
+        out[name] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return out
+
+
+def main() -> int:
+    res = run_on_ranks(_ranks, 2, 8, timeout=900)[0]
+    print("| schedule | " + " | ".join(VARIANTS) + " |")
+    print("|---|" + "---|" * len(VARIANTS))
+    for name, row in res.items():
+        eager = row["eager"]
+        cells = [f"{row[k]:.1f} ms ({row[k] / eager:.2f}x)" for k in VARIANTS]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
