@@ -7,6 +7,7 @@ one run (8 pre-norm MLP blocks of width 256, 4 microbatches of 64 rows).
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -16,25 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import meshpipe
-from meshpipe.testing import run_on_ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import mlp_block  # noqa: E402 - the benchmarks folder is not a package
+
+import meshpipe  # noqa: E402
+from meshpipe.testing import run_on_ranks  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {},
     "activation_checkpointing='full'": {"activation_checkpointing": "full"},
     "compile=True": {"compile": True},
 }
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.ln(x))))
 
 
 def _ranks(reps: int) -> dict[str, dict[str, float]]:
@@ -46,7 +39,7 @@ def _ranks(reps: int) -> dict[str, dict[str, float]]:
         pipes = {}
         for label, options in VARIANTS.items():
             torch.manual_seed(0)
-            net = nn.Sequential(*[Block(256) for _ in range(8)])
+            net = nn.Sequential(*[mlp_block(256) for _ in range(8)])
             pipes[label] = meshpipe.Pipeline(
                 net, mesh, name, num_microbatches=4, loss_fn=nn.functional.mse_loss, **options
             )

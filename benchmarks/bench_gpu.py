@@ -37,8 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import meshpipe
-from meshpipe.testing import run_on_ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import mlp_block  # noqa: E402 - the benchmarks folder is not a package
+
+import meshpipe  # noqa: E402
+from meshpipe.testing import run_on_ranks  # noqa: E402
 
 WORLD = 2
 # meshpipe name, torch.distributed.pipelining class, stages per rank
@@ -71,17 +74,6 @@ QUICK = (
 )
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.ln(x))))
-
-
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, y)
 
@@ -91,7 +83,7 @@ def stage_modules(cfg: Config, num_stages: int) -> list[nn.Module]:
     d = cfg.width
     if cfg.blocks == 0:
         return [nn.Linear(d, d) for _ in range(num_stages)]
-    layers: list[nn.Module] = [nn.Linear(d, d), *[Block(d) for _ in range(cfg.blocks)]]
+    layers: list[nn.Module] = [nn.Linear(d, d), *[mlp_block(d) for _ in range(cfg.blocks)]]
     layers.append(nn.Linear(d, d))
     bounds = [round(i * len(layers) / num_stages) for i in range(num_stages + 1)]
     return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]

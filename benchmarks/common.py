@@ -74,6 +74,11 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
+def mlp_block(width: int) -> Block:
+    """A pre-norm MLP block (a Block without attention) on (..., width) activations."""
+    return Block(ModelConfig(width=width, attention=False))
+
+
 def make_blocks(cfg: ModelConfig, seed: int = 0) -> list[Block]:
     """``cfg.num_blocks`` blocks with weights fixed by ``seed`` (identical on every rank)."""
     torch.manual_seed(seed)

@@ -85,6 +85,40 @@ def grad_diff(pipe: meshpipe.Pipeline, ref: nn.Module) -> float:
     return worst
 
 
+def full_grad_diff(pipe: meshpipe.Pipeline, ref: nn.Module) -> float:
+    """Like grad_diff, for sharded (DTensor) gradients too: compared as full tensors."""
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in pipe.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, (g - ref_params[name].grad).abs().max().item())
+    return worst
+
+
+def autocast_parity(mesh: Any, name: str, seed: int, **options: Any) -> dict[str, float]:
+    """One bf16-autocast step against one process under the same autocast."""
+    net = blocks(4)
+    ref = copy.deepcopy(net)
+    pipe = meshpipe.Pipeline(
+        net, mesh, name, num_microbatches=2, loss_fn=mse, autocast=torch.bfloat16, **options
+    )
+    torch.manual_seed(seed)
+    x, y = torch.randn(8, D), torch.randn(8, D)
+    loss = pipe.step(x, target=y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = mse(ref(x), y)
+    expected.backward()
+    params = list(pipe.parameters())
+    return {
+        "loss": abs(loss.item() - expected.item()),
+        "grad": full_grad_diff(pipe, ref),
+        "not_fp32": float(any(p.dtype != torch.float32 for p in params)),
+        "grads_not_fp32": float(
+            any(p.grad is not None and p.grad.dtype != torch.float32 for p in params)
+        ),
+    }
+
+
 def dp_batch(x: torch.Tensor, mesh: Any) -> torch.Tensor:
     """This dp replica's slice of the global batch (replicas take it in order)."""
     names = mesh.mesh_dim_names

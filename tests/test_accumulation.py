@@ -14,7 +14,17 @@ import torch
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import D, blocks, check_case, dp_batch, grad_diff, mse, refusal
+from parity import (
+    D,
+    autocast_parity,
+    blocks,
+    check_case,
+    dp_batch,
+    full_grad_diff,
+    grad_diff,
+    mse,
+    refusal,
+)
 
 
 def _accumulate(mesh: Any, name: str, dp: str | None) -> dict[str, float]:
@@ -33,18 +43,10 @@ def _accumulate(mesh: Any, name: str, dp: str | None) -> dict[str, float]:
     # the average over the replicas' data), unlike after the synced step
     ref_params = dict(ref.named_parameters())
     if dp == "fsdp":  # FSDP2 shows accumulated gradients only after the synced step
-        return {"grad": _full_grad_diff(pipe, ref_params), "no_sync_grad_shown": float(
+        return {"grad": full_grad_diff(pipe, ref), "no_sync_grad_shown": float(
             any(g is not None for g in local.values()))}  # fmt: skip
     stayed_local = max((local[n] - ref_params[n].grad).abs().max().item() for n in local)
     return {"grad": grad_diff(pipe, ref), "no_sync_grads_were_reduced": float(stayed_local < 1e-4)}
-
-
-def _full_grad_diff(pipe: meshpipe.Pipeline, ref_params: dict[str, Any]) -> float:
-    worst = 0.0
-    for name, p in pipe.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        worst = max(worst, (g - ref_params[name].grad).abs().max().item())
-    return worst
 
 
 def _scaled(mesh: Any) -> dict[str, float]:
@@ -62,24 +64,8 @@ def _autocast_tp(mesh: Any) -> dict[str, float]:
     """bf16 autocast on pp=2 x tp=2 (no FSDP): against one process under the same autocast."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    net = blocks(4)
-    ref = copy.deepcopy(net)
     plan = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
-    pipe = meshpipe.Pipeline(
-        net, mesh, "zbv", num_microbatches=2, loss_fn=mse, tp_plan=plan, autocast=torch.bfloat16
-    )
-    torch.manual_seed(9)
-    x, y = torch.randn(8, D), torch.randn(8, D)
-    loss = pipe.step(x, target=y)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = mse(ref(x), y)
-    expected.backward()
-    fp32 = all(p.dtype == torch.float32 for p in pipe.parameters())
-    return {
-        "loss": abs(loss.item() - expected.item()),
-        "grad": _full_grad_diff(pipe, dict(ref.named_parameters())),
-        "not_fp32": float(not fp32),
-    }
+    return autocast_parity(mesh, "zbv", seed=9, tp_plan=plan)
 
 
 def _all(_: None = None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import meshpipe
 from meshpipe.testing import run_on_ranks
 from split_models import Stack
 
-from parity import D, blocks, check_case, grad_diff, mse
+from parity import D, autocast_parity, blocks, check_case, grad_diff, mse
 
 
 def _mae(out: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -93,25 +93,7 @@ def _example_args_case(mesh: Any) -> dict[str, float]:
 
 def _autocast_case(mesh: Any, name: str) -> dict[str, float]:
     """bf16 compute without FSDP: against one process under the same autocast."""
-    net = blocks(4)
-    ref = copy.deepcopy(net)
-    pipe = meshpipe.Pipeline(
-        net, mesh, name, num_microbatches=2, loss_fn=mse, autocast=torch.bfloat16
-    )
-    torch.manual_seed(5)
-    x, y = torch.randn(8, D), torch.randn(8, D)
-    loss = pipe.step(x, target=y)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = mse(ref(x), y)
-    expected.backward()
-    return {
-        "loss": abs(loss.item() - expected.item()),
-        "grad": grad_diff(pipe, ref),
-        "not_fp32": float(any(p.dtype != torch.float32 for p in pipe.parameters())),
-        "grads_not_fp32": float(
-            any(p.grad is not None and p.grad.dtype != torch.float32 for p in pipe.parameters())
-        ),
-    }
+    return autocast_parity(mesh, name, seed=5)
 
 
 def _all(_: None = None) -> dict[str, Any]:
