@@ -140,7 +140,7 @@ class Pipeline:
         else:
             self._build_runners(stage_modules(model, self.schedule))
         self._programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
-        self._channels: Channels = pp_channels(topo, self.timeout)
+        self._channels: Channels = pp_channels(topo)
         self._descs = DescCache()
         self._readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
         self._watchdog = Watchdog() if topo.device.type == "cuda" else None

@@ -125,7 +125,7 @@ class Topology:
         )
 
 
-def pp_channels(topo: Topology, timeout: float) -> Channels:
+def pp_channels(topo: Topology) -> Channels:
     """The groups of this process's transfers along pp: data on the pp group itself, and a
     gloo group over the same ranks for control messages (made here, by the pp group's
     members only). On CUDA the pp group's NCCL communicator is set up eagerly, so that the
