@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "RemoteStageError": "meshpipe.errors",
     # runtime (torch)
     "init_mesh": "meshpipe.runtime.topology",
+    "init_stage_meshes": "meshpipe.runtime.stage_meshes",
     "Pipeline": "meshpipe.runtime.pipeline",
     "split": "meshpipe.split",
     "REPLICATE": "meshpipe.runtime.microbatch",

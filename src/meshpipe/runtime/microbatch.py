@@ -16,6 +16,8 @@ __all__ = [
     "REPLICATE",
     "Microbatches",
     "split_microbatches",
+    "dp_part",
+    "check_parts",
     "merge_outputs",
     "input_signature",
 ]
@@ -40,11 +42,52 @@ class Microbatches:
     kwargs: list[dict[str, Any]]
     targets: list[Any]
     sizes: list[int]
+    total: int | None = None  # rows of the whole batch, when these are parts of it
 
     @property
     def shares(self) -> list[float]:
-        total = sum(self.sizes)
+        total = sum(self.sizes) if self.total is None else self.total
         return [s / total for s in self.sizes]
+
+
+def check_parts(sizes: Sequence[int], parts: int, where: str) -> None:
+    """Every microbatch must have a row for each of ``parts`` dp parts."""
+    for mb, rows in enumerate(sizes):
+        if rows < parts:
+            raise PipelineError(
+                f"microbatch {mb} has {rows} rows, fewer than the dp={parts} of {where}: every "
+                "dp part of a microbatch needs a row; use a larger batch or fewer microbatches"
+            )
+
+
+def dp_part(
+    mbs: Microbatches, part: int, parts: int, chunk_spec: ChunkSpec | None
+) -> Microbatches:
+    """Part ``part`` of ``parts`` of every microbatch's rows (stage meshes: a stage whose
+    mesh has ``dp = parts`` runs part ``dp`` coordinate of each microbatch)."""
+    if parts == 1:
+        return mbs
+    spec = dict(chunk_spec or {})
+
+    def cut(value: Any, dim: int | Replicate, what: str) -> Any:
+        return _split_value(value, parts, dim, what)[part]
+
+    targets = [
+        None if t is None else cut(t, spec.get("target", 0), "target") for t in mbs.targets
+    ]
+    return Microbatches(
+        args=[
+            tuple(cut(a, spec.get(i, 0), f"argument {i}") for i, a in enumerate(args))
+            for args in mbs.args
+        ],
+        kwargs=[
+            {k: cut(v, spec.get(k, 0), f"argument {k!r}") for k, v in kw.items()}
+            for kw in mbs.kwargs
+        ],
+        targets=targets,
+        sizes=[rows // parts + (1 if part < rows % parts else 0) for rows in mbs.sizes],
+        total=sum(mbs.sizes),
+    )
 
 
 def _split_value(value: Any, num: int, dim: int | Replicate, where: str) -> list[Any]:

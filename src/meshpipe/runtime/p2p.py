@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.runtime import wire
+from meshpipe.runtime.layout import Layout, Piece, join_values, split_value
 from meshpipe.runtime.pytree import Spec, flatten, unflatten
 from meshpipe.runtime.waits import Watchdog, translate, wait_work
 from meshpipe.schedule.comm import Transfer
@@ -80,7 +81,7 @@ class Channels:
 
     data: dist.ProcessGroup
     ctrl: dist.ProcessGroup
-    global_ranks: tuple[int, ...]  # pp rank -> global rank
+    global_ranks: tuple[int, ...]  # process index (a peer) -> global rank
     batched: bool  # post each group with batch_isend_irecv (NCCL) instead of one by one
 
 
@@ -180,7 +181,11 @@ class Reader:
 
 
 class Comm:
-    """This rank's transfers for one step, following its part of the p2p program."""
+    """This rank's transfers for one step, following its part of the p2p program.
+
+    Peers are process indices of ``layout`` (on a uniform mesh: pp ranks). Each transfer of
+    the program moves as the layout's pieces (one whole piece unless two stage meshes cut a
+    microbatch's ``rows`` differently); the executor puts and takes whole values."""
 
     def __init__(
         self,
@@ -192,9 +197,14 @@ class Comm:
         signatures: Sequence[Hashable],
         watchdog: Watchdog | None = None,
         readers: dict[int, Reader] | None = None,
+        layout: Layout | None = None,
+        rows: Sequence[int] = (),
     ) -> None:
         self.ch = channels
         self.rank = rank
+        self.layout = layout if layout is not None else Layout.uniform(channels.global_ranks, rank)
+        self.rows = rows  # rows of each microbatch (whole, before any dp cut)
+        self._placement: Sequence[int] = ()
         self.timeout = timeout
         self.device = device
         self.cache = cache
@@ -205,8 +215,8 @@ class Comm:
         self.peak_pending_sends = 0  # most sends posted and not yet waited for, at once
         self.posted: list[tuple[P2P, ...]] = []  # every group posted, for tests and traces
         self._program: dict[int, list[tuple[P2P, ...]]] = {}
-        self._outbox: dict[Transfer, Any] = {}
-        self._recvs: dict[Transfer, _Recv] = {}
+        self._outbox: dict[tuple[int, Transfer], Any] = {}
+        self._recvs: dict[tuple[int, Transfer], _Recv] = {}
         self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
         self._readers: dict[int, Reader] = {}
         self._send_peers: set[int] = set()
@@ -226,11 +236,26 @@ class Comm:
         self._new_recv: dict[DescKey, Desc] = {}
 
     # -- lifecycle --------------------------------------------------------------------
-    def begin(self, groups: Sequence[tuple[P2P, ...]], positions: Sequence[int]) -> None:
-        """Start a step with this rank's program: groups and the positions they precede."""
+    def begin(
+        self,
+        groups: Sequence[tuple[P2P, ...]],
+        positions: Sequence[int],
+        placement: Sequence[int],
+    ) -> None:
+        """Start a step with this rank's program (groups of pp-rank operations and the
+        positions they precede), each operation expanded into the layout's pieces."""
+        self._placement = placement
         self._program = {}
+        pp = self.layout.pp_rank
         for position, group in zip(positions, groups, strict=True):
-            self._program.setdefault(position, []).append(group)
+            mine = tuple(
+                P2P(op.op, piece.dst if op.op == "send" else piece.src, op.transfer)
+                for op in group
+                for piece in self._pieces(op, pp)
+            )
+            if mine:
+                self._program.setdefault(position, []).append(mine)
+        groups = [g for gs in self._program.values() for g in gs]
         recv_peers = {op.peer for g in groups for op in g if op.op == "recv"}
         self._send_peers = {op.peer for g in groups for op in g if op.op == "send"}
         for p in sorted(recv_peers):
@@ -306,23 +331,52 @@ class Comm:
         recvs: list[_Recv] = []
         for op in group:
             if op.op == "send":
-                self._prepare_send(op, self._outbox.pop(op.transfer), ops)
+                self._prepare_send(op, self._outbox.pop((op.peer, op.transfer)), ops)
             else:
                 recvs.append(self._prepare_recv(op, ops))
         works = self._issue(ops)
         self._last_group = works
         for r in recvs:
             r.works = [works[k] for k in r.op_indices]
-            self._recvs[r.transfer] = r
+            self._recvs[(r.peer, r.transfer)] = r
         self.posted.append(group)
+
+    def _pieces(self, op: P2P, pp: int) -> list[Piece]:
+        """The pieces of a pp-rank operation that this process sends or receives."""
+        t = op.transfer
+        rows = self.rows[t.mb] if self.rows else 0
+        if op.op == "send":
+            return [p for p in self.layout.pieces(pp, op.peer, rows) if p.src == self.rank]
+        return [p for p in self.layout.pieces(op.peer, pp, rows) if p.dst == self.rank]
+
+    def _transfer_pieces(self, transfer: Transfer, send: bool) -> list[Piece]:
+        place = self._placement
+        peer = place[transfer.dst_stage] if send else place[transfer.src_stage]
+        return self._pieces(P2P("send" if send else "recv", peer, transfer), self.layout.pp_rank)
 
     def put(self, transfer: Transfer, value: Any) -> None:
         """Hand over an action's output; it is sent with the next group of the program."""
-        self._outbox[transfer] = value
+        pieces = self._transfer_pieces(transfer, send=True)
+        rows = self._local_rows(transfer.mb)
+        for piece, part in zip(pieces, split_value(value, pieces, rows, str(transfer))):
+            self._outbox[(piece.dst, transfer)] = part
+
+    def _local_rows(self, mb: int) -> int:
+        if not self.rows:
+            return 0
+        _pp, d, _t = self.layout.place(self.rank)
+        dp = self.layout.shape(self.layout.pp_rank)[0]
+        total = self.rows[mb]
+        return total // dp + (1 if d < total % dp else 0)
 
     def take(self, transfer: Transfer, doing: str) -> Any:
         """The value of a receive posted earlier (``doing`` names the action, for errors)."""
-        r = self._recvs.pop(transfer)
+        pieces = self._transfer_pieces(transfer, send=False)
+        values = [self._take_piece(p.src, transfer, doing) for p in pieces]
+        return join_values(values, pieces)
+
+    def _take_piece(self, peer: int, transfer: Transfer, doing: str) -> Any:
+        r = self._recvs.pop((peer, transfer))
         deadline = time.monotonic() + self.timeout
         try:
             if r.desc is None:

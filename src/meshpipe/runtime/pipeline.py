@@ -23,6 +23,9 @@ from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
 from meshpipe.runtime.microbatch import (
     ChunkSpec,
+    Microbatches,
+    check_parts,
+    dp_part,
     input_signature,
     merge_outputs,
     split_microbatches,
@@ -34,6 +37,7 @@ from meshpipe.runtime.recompute import Policy, apply_policy, check_policy
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.schedules import Schedules
 from meshpipe.runtime.spmd import Spmd
+from meshpipe.runtime.stage_meshes import is_stage_meshes, stage_topology
 from meshpipe.runtime.stage import StageRunner
 from meshpipe.runtime.topology import Topology, pp_channels
 from meshpipe.runtime.trace import save_trace
@@ -70,7 +74,7 @@ class Pipeline:
     def __init__(
         self,
         model: nn.Module | Sequence[nn.Module],
-        mesh: DeviceMesh,
+        mesh: DeviceMesh | Sequence[DeviceMesh],
         schedule: str | Schedule = "1f1b",
         num_microbatches: int | None = None,
         loss_fn: Callable[[Any, Any], Any] | None = None,
@@ -110,7 +114,10 @@ class Pipeline:
         self._digests: dict[int, str] = {}
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.topology = Topology.from_mesh(mesh, pp_axis, dp_axis, tp_axis)
+        if is_stage_meshes(mesh):  # one mesh per pp rank (init_stage_meshes)
+            self.topology = stage_topology(mesh)  # type: ignore[arg-type]
+        else:
+            self.topology = Topology.from_mesh(mesh, pp_axis, dp_axis, tp_axis)  # type: ignore[arg-type]
         self._pp_axis = pp_axis
         topo = self.topology
         if isinstance(model, (list, tuple)) and stages_per_rank is None:
@@ -240,6 +247,12 @@ class Pipeline:
     def holds_last_stage(self) -> bool:
         return (self.schedule.num_stages - 1) in self._runners
 
+    @property
+    def _contributes(self) -> bool:
+        """This process's loss records count (stage meshes: one tp rank per dp part)."""
+        topo = self.topology
+        return self.holds_last_stage and (not topo.stage_meshes or topo.coords["tp"] == 0)
+
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank moved in the last step: sent on the pp axis (headers included),
         and on the dp axis (ring all-reduce / all-gather + reduce-scatter, computed from the
@@ -308,9 +321,9 @@ class Pipeline:
             fields = fingerprint(
                 call, schedule, digest, args, kwargs, target, self._training, self.check_inputs
             )
-            topo = self.topology
+            lay = self.topology.layout
             agreement = Agreement(
-                fields, self._channels.ctrl, topo.pp_size, self.timeout, topo.pp_rank
+                fields, self._channels.ctrl, len(lay.ranks), self.timeout, lay.me
             )
 
         def gate() -> None:
@@ -341,7 +354,7 @@ class Pipeline:
         if not args:
             raise PipelineError("step()/forward() need at least one positional input")
 
-    def _comm(self, schedule: Schedule, signatures: list[Any]) -> Comm:
+    def _comm(self, schedule: Schedule, signatures: list[Any], rows: list[int]) -> Comm:
         topo = self.topology
         key = id(schedule)
         program = self._programs.get(key)
@@ -349,16 +362,29 @@ class Pipeline:
             program = self._programs[key] = program_positions(schedule, topo.pp_rank)
         comm = Comm(
             self._channels,
-            topo.pp_rank,
+            topo.layout.me,
             self.timeout,
             topo.device,
             self._descs,
             signatures,
             self._watchdog,
             self._readers,
+            topo.layout,
+            rows,
         )
-        comm.begin(*program)
+        comm.begin(*program, schedule.placement)
         return comm
+
+    def _local_part(self, mbs: Microbatches) -> Microbatches:
+        """Stage meshes: this process's dp part of every microbatch (checked for every
+        mesh on every process, so a too-small batch is refused everywhere)."""
+        lay = self.topology.layout
+        if not lay.stage_meshes:
+            return mbs
+        for pp in range(len(lay.grids)):
+            check_parts(mbs.sizes, lay.shape(pp)[0], f"pp rank {pp}'s stage mesh")
+        pp, d, _t = lay.place(lay.me)
+        return dp_part(mbs, d, lay.shape(pp)[0], self.chunk_spec)
 
     def _run(
         self,
@@ -370,9 +396,10 @@ class Pipeline:
         gate: Callable[[], None],
     ) -> dict[int, Any]:
         try:
-            mbs = split_microbatches(
+            whole = split_microbatches(
                 args, kwargs, target, schedule.num_microbatches, self.chunk_spec
             )
+            mbs = self._local_part(whole)
         except Exception:
             gate()  # a difference between the ranks is the better message, and is collective
             raise
@@ -382,7 +409,7 @@ class Pipeline:
         signatures = [
             (training, input_signature(a, k)) for a, k in zip(mbs.args, mbs.kwargs, strict=True)
         ]
-        comm = self._comm(schedule, signatures)
+        comm = self._comm(schedule, signatures, whole.sizes)
         comm.gate = gate
         self._status = RankStatus(phase="pipeline")
         # the usual step reduces as stages finish; accumulation reduces at the end
@@ -508,10 +535,10 @@ class Pipeline:
         last = self._runners.get(infer.num_stages - 1)
         records, metrics = eval_records(last, self._last_mbs, metrics_fn, self.topology.device)
         topo = self.topology
-        src = topo.pp_global_ranks[infer.placement[-1]]
+        src = topo.first_process(infer.placement[-1])
         loss, _ = reduce_loss(
-            records, self.holds_last_stage, src, topo.pp_group, topo.dp_group, topo.device,
-            timeout=self.timeout, watchdog=self._watchdog,
+            records, self._contributes, src, topo.pp_group, topo.dp_group, topo.device,
+            timeout=self.timeout, watchdog=self._watchdog, stage_meshes=topo.stage_meshes,
         )  # fmt: skip
         self._status.phase = "idle"
         self._steps += 1
@@ -519,7 +546,7 @@ class Pipeline:
             return loss.to(torch.float32)
         reduced = reduce_metrics(
             metrics, src, self._channels.ctrl, topo.pp_group, topo.dp_group, topo.device,
-            self.timeout,
+            self.timeout, self._contributes or not topo.stage_meshes, topo.stage_meshes,
         )  # fmt: skip
         return loss.to(torch.float32), reduced
 
@@ -540,11 +567,11 @@ class Pipeline:
         factor = self._spmd.finish_step(self.timeout)
         topo = self.topology
         loss, scale = reduce_loss(
-            losses, self.holds_last_stage, topo.pp_global_ranks[sched.placement[-1]],
+            losses, self._contributes, topo.first_process(sched.placement[-1]),
             topo.pp_group, topo.dp_group, topo.device,
-            timeout=self.timeout, watchdog=self._watchdog,
+            timeout=self.timeout, watchdog=self._watchdog, stage_meshes=topo.stage_meshes,
         )  # fmt: skip
-        if self._whole is not None:
+        if self._whole is not None and not topo.stage_meshes:
             self._whole.sync_grads()  # tied weights: sum over the stages holding them
         dp_group = topo.dp_group
         if self._spmd.uses_fsdp:
@@ -555,6 +582,8 @@ class Pipeline:
             reduce_grads(params, scale * factor * gs, None)
         else:
             reduce_grads(params, scale * gs, dp_group, self.timeout, self._watchdog)
+        if self._whole is not None and topo.stage_meshes:
+            self._whole.sync_grads()  # stage meshes: after dp, as whole-mesh means
         return loss
 
     @contextlib.contextmanager

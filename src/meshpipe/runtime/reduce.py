@@ -35,12 +35,17 @@ def reduce_loss(
     device: torch.device,
     timeout: float = 300.0,
     watchdog: Watchdog | None = None,
+    stage_meshes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, gradient scale) as 0-dim float64 tensors on ``device``, equal on every rank.
 
     Mean losses were weighted by microbatch share: the loss is their sum, averaged over dp.
     (sum, count) losses: the loss is total sum / total count over microbatches and dp.
     The gradient scale is what the locally accumulated gradients must be multiplied by.
+
+    With ``stage_meshes`` the records are parts of the whole batch, already weighted by
+    their share of it: the processes passing ``holds_last_stage`` (the last stage's mesh, tp
+    coordinate 0) are summed over ``pp_group`` (the world); no averaging over dp.
     """
     buf = torch.zeros(3, dtype=torch.float64, device=device)
     if holds_last_stage and records:
@@ -50,16 +55,19 @@ def reduce_loss(
         if counts:
             buf[1] = torch.stack([c.to(device) for c in counts]).sum()
             buf[2] = 1.0
-    if dist.get_world_size(pp_group) > 1:
+    dp_size = 1
+    if stage_meshes:
+        work = dist.all_reduce(buf, group=pp_group, async_op=True)
+        _wait(work, timeout, "the loss all-reduce over the stage meshes", watchdog)
+    elif dist.get_world_size(pp_group) > 1:
         work = dist.broadcast(buf, src=last_stage_global_rank, group=pp_group, async_op=True)
         _wait(work, timeout, "the loss broadcast over pp", watchdog)
-    dp_size = 1
-    if dp_group is not None:
+    if dp_group is not None and not stage_meshes:
         dp_size = dist.get_world_size(dp_group)
         work = dist.all_reduce(buf, group=dp_group, async_op=True)
         _wait(work, timeout, "the loss all-reduce over dp", watchdog)
     # read nothing on the host: a total count of 0 gives inf/nan, as in plain PyTorch
-    is_pair = buf[2] > 0.5 * dp_size
+    is_pair = buf[2] > 0.5 * dp_size  # stage meshes: one 1 per contributing process
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
     scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
     return loss, scale
@@ -102,6 +110,8 @@ def reduce_metrics(
     dp_group: dist.ProcessGroup | None,
     device: torch.device,
     timeout: float = 300.0,
+    contributes: bool = True,
+    stage_meshes: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Share-weighted metric sums of the last stage's rank (global rank ``src``), the same on
     every rank: names sent over the CPU-side group, values broadcast over pp and averaged
@@ -111,12 +121,15 @@ def reduce_metrics(
         dist.broadcast_object_list(names, src=src, group=ctrl_group)
     keys: list[str] = names[0]
     buf = torch.zeros(len(keys), dtype=torch.float64, device=device)
-    if metrics:
+    if metrics and contributes:
         buf.copy_(torch.stack([metrics[k].to(device).reshape(()) for k in keys]))
-    if dist.get_world_size(pp_group) > 1 and keys:
+    if stage_meshes and keys:  # parts weighted by their share of the batch: a plain sum
+        work = dist.all_reduce(buf, group=pp_group, async_op=True)
+        wait_work(work, timeout, "the metrics all-reduce over the stage meshes")
+    elif dist.get_world_size(pp_group) > 1 and keys:
         work = dist.broadcast(buf, src=src, group=pp_group, async_op=True)
         wait_work(work, timeout, "the metrics broadcast over pp")
-    if dp_group is not None and keys:
+    if dp_group is not None and keys and not stage_meshes:
         work = dist.all_reduce(buf, group=dp_group, async_op=True)
         wait_work(work, timeout, "the metrics all-reduce over dp")
         buf /= dist.get_world_size(dp_group)

@@ -39,12 +39,21 @@ class Spmd:
     ) -> None:
         if dp not in DP_MODES:
             raise PipelineError(f"dp must be one of {DP_MODES}, got {dp!r}")
+        lay = topo.layout
+        # with stage meshes every process checks every mesh, so all of them refuse alike
+        tp_sizes = (
+            {lay.shape(i)[1] for i in range(len(lay.grids))}
+            if lay.stage_meshes
+            else {topo.tp_size}
+        )
+        self._tp_sizes = sorted(t for t in tp_sizes if t > 1)
+        self._plan_to_check = tp_plan
         if tp_plan is not None and topo.tp_size == 1:
             tp_plan = None  # a tp axis of size 1: nothing to split
-        if tp_plan is None and topo.tp_size > 1:
+        if self._plan_to_check is None and self._tp_sizes:
             raise PipelineError(
-                f"the mesh's tp axis has size {topo.tp_size} but no tp_plan was given; pass "
-                "tp_plan={'*.up': ColwiseParallel(), ...} or build the mesh with tp=1"
+                f"a mesh's tp axis has size {self._tp_sizes[-1]} but no tp_plan was given; "
+                "pass tp_plan={'*.up': ColwiseParallel(), ...} or build the mesh with tp=1"
             )
         if mp_policy is not None and dp != "fsdp":
             raise PipelineError("mp_policy needs dp='fsdp' (FSDP2 applies mixed precision)")
@@ -64,8 +73,8 @@ class Spmd:
 
     def check(self, all_stages: Sequence[nn.Module]) -> None:
         """Checks that need every stage (same on every rank, before any communication)."""
-        if self.tp_plan is not None:
-            check_tp_plan(all_stages, self.tp_plan, self.topo.tp_size)
+        for tp in self._tp_sizes:
+            check_tp_plan(all_stages, self._plan_to_check, tp)  # type: ignore[arg-type]
 
     def wrap(self, stage: int, module: nn.Module) -> nn.Module:
         """Apply TP, then FSDP2 or replica sync, to one local stage module."""

@@ -12,9 +12,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshpipe.errors import PipelineError
+from meshpipe.runtime.layout import Layout
 from meshpipe.runtime.p2p import Channels
 
-__all__ = ["init_mesh", "Topology", "pp_channels"]
+__all__ = ["init_mesh", "init_default_group", "mesh_device", "Topology", "pp_channels"]
 
 log = logging.getLogger(__name__)
 AXES = ("pp", "dp", "tp")
@@ -42,6 +43,20 @@ def init_mesh(
     ``timeout`` bounds collectives (seconds).
     """
     sizes = tuple(_check_degree(n, v) for n, v in zip(AXES, (pp, dp, tp)))
+    device_type = init_default_group(device_type, timeout)
+    world = dist.get_world_size()
+    product = sizes[0] * sizes[1] * sizes[2]
+    if product != world:
+        raise PipelineError(
+            f"mesh pp={pp} x dp={dp} x tp={tp} = {product} processes, but the world size is "
+            f"{world}; the product of the degrees must equal the world size"
+        )
+    return init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
+
+
+def init_default_group(device_type: str | None, timeout: float) -> str:
+    """Initialise the default process group from torchrun's environment when none exists
+    (see :func:`init_mesh`); returns the device type the meshes use."""
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
@@ -59,14 +74,7 @@ def init_mesh(
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    world = dist.get_world_size()
-    product = sizes[0] * sizes[1] * sizes[2]
-    if product != world:
-        raise PipelineError(
-            f"mesh pp={pp} x dp={dp} x tp={tp} = {product} processes, but the world size is "
-            f"{world}; the product of the degrees must equal the world size"
-        )
-    return init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
+    return device_type
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,15 @@ class Topology:
     device: torch.device
     coords: dict[str, int]
     axis_sizes: dict[str, int]
+    layout: Layout  # the processes of every pp rank (uniform mesh: one per pp rank)
+
+    @property
+    def stage_meshes(self) -> bool:
+        return self.layout.stage_meshes
+
+    def first_process(self, pp_rank: int) -> int:
+        """Global rank of the first process of pp rank ``pp_rank`` (its dp 0, tp 0)."""
+        return self.layout.ranks[self.layout.grids[pp_rank][0][0]]
 
     @classmethod
     def from_mesh(
@@ -105,24 +122,29 @@ class Topology:
                 )
         dp_size, tp_size = sizes.get(dp_axis, 1), sizes.get(tp_axis, 1)
         pp_group = mesh.get_group(pp_axis)
-        if mesh.device_type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device(mesh.device_type)
+        pp_ranks = tuple(dist.get_process_group_ranks(pp_group))
+        pp_rank = mesh.get_local_rank(pp_axis)
         return cls(
-            pp_rank=mesh.get_local_rank(pp_axis),
+            pp_rank=pp_rank,
             pp_size=sizes[pp_axis],
             pp_group=pp_group,
-            pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+            pp_global_ranks=pp_ranks,
             dp_group=mesh.get_group(dp_axis) if dp_size > 1 else None,
             dp_size=dp_size,
             dp_mesh=mesh[dp_axis] if dp_axis in names else None,
             tp_size=tp_size,
             tp_mesh=mesh[tp_axis] if tp_axis in names else None,
-            device=device,
+            device=mesh_device(mesh),
             coords={axis: mesh.get_local_rank(axis) for axis in names},
             axis_sizes=sizes,
+            layout=Layout.uniform(pp_ranks, pp_rank),
         )
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def pp_channels(topo: Topology) -> Channels:
@@ -130,8 +152,8 @@ def pp_channels(topo: Topology) -> Channels:
     gloo group over the same ranks for control messages (made here, by the pp group's
     members only). On CUDA the pp group's NCCL communicator is set up eagerly, so that the
     first batched send/receive need not involve every rank of the group."""
-    ranks = topo.pp_global_ranks
-    if topo.pp_size == 1:
+    ranks = topo.layout.ranks
+    if len(ranks) == 1:
         return Channels(topo.pp_group, topo.pp_group, ranks, batched=False)
     ctrl = dist.new_group(
         list(ranks),

@@ -37,6 +37,7 @@ class _Group:
     names: list[tuple[int, str]]  # (local stage, name) of each shared parameter, one per tensor
     group: dist.ProcessGroup
     src: int  # global rank whose copy is the initial value
+    weight: float = 1.0  # stage meshes: 1 / processes of this process's mesh
 
 
 class TiedWeights:
@@ -50,11 +51,14 @@ class TiedWeights:
         self,
         tied: Sequence[dict[int, str]],
         placement: Sequence[int],
-        mesh: DeviceMesh,
+        mesh: DeviceMesh | Sequence[DeviceMesh],
         pp_axis: str,
     ) -> None:
         self._groups: list[_Group] = []
         if not tied or not dist.is_initialized():
+            return
+        if not isinstance(mesh, DeviceMesh):
+            self._stage_meshes(tied, placement, mesh)
             return
         names = tuple(mesh.mesh_dim_names or ())
         grid = mesh.mesh.movedim(names.index(pp_axis), 0)
@@ -79,6 +83,27 @@ class TiedWeights:
                 self._groups.append(_Group(local, group, global_ranks[0]))
         log.info("tied parameters synchronised over %d groups", len(self._groups))
 
+    def _stage_meshes(
+        self, tied: Sequence[dict[int, str]], placement: Sequence[int], meshes: Sequence[DeviceMesh]
+    ) -> None:
+        """Stage meshes: one group over every process of the meshes holding a parameter. Each
+        mesh's copy is whole on each of its processes (after its dp reduction), so each
+        process adds its gradient divided by its mesh's process count."""
+        procs = [sorted(int(r) for r in m.mesh.reshape(-1).tolist()) for m in meshes]
+        me = dist.get_rank()
+        mine = next(i for i, p in enumerate(procs) if me in p)
+        for where in tied:
+            ranks = sorted({placement[s] for s in where})
+            if len(ranks) < 2:
+                continue
+            members = sorted(r for pp in ranks for r in procs[pp])
+            group = dist.new_group(members)
+            if mine in ranks:
+                s = min(s for s in where if placement[s] == mine)
+                self._groups.append(
+                    _Group([(s, where[s])], group, members[0], 1.0 / len(procs[mine]))
+                )
+
     def _params(self, stages: dict[int, nn.Module], g: _Group) -> list[torch.Tensor]:
         return [stages[s].get_parameter(name) for s, name in g.names]
 
@@ -102,6 +127,13 @@ class TiedWeights:
                         p.grad = torch.zeros_like(p)
                 grads = [_local(p.grad) for p in params if p.grad is not None]
                 flat = torch.cat([t.reshape(-1) for t in grads])
+                if g.weight != 1.0:
+                    if any(t is not p.grad for t, p in zip(grads, params)):
+                        raise NotImplementedError(
+                            "tied parameters sharded by tp_plan or FSDP2 across stage meshes "
+                            f"({[n for _s, n in g.names]}); leave them unsharded"
+                        )
+                    flat.mul_(g.weight)
                 dist.all_reduce(flat, group=g.group)
                 offset = 0
                 for t in grads:
