@@ -64,9 +64,15 @@ class Target:
 
 
 def _pipeline_target(pipe: Pipeline) -> Target:
-    mesh = pipe.mesh
-    names = tuple(mesh.mesh_dim_names or ())
-    sizes = {name: int(mesh.size(i)) for i, name in enumerate(names)}
+    lay = pipe.topology.layout
+    sizes: dict[str, Any]
+    if lay.stage_meshes:  # one mesh per pp rank: record each one's shape
+        shapes = [dict(zip(("dp", "tp"), lay.shape(i), strict=True)) for i in range(len(lay.grids))]
+        sizes = {"stage_meshes": shapes}
+    else:
+        mesh = pipe.mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        sizes = {name: int(mesh.size(i)) for i, name in enumerate(names)}
     coords = dict(pipe.topology.coords)
     distributed = dist.is_available() and dist.is_initialized()
     sched = pipe.schedule

@@ -211,6 +211,8 @@ class Comm:
         self.signatures = signatures
         self._all_readers = {} if readers is None else readers  # the Pipeline's, by peer
         self.bytes_sent = 0
+        # tensor bytes this process sent per boundary, "act 0->1" (pp ranks), headers excluded
+        self.boundary_bytes: dict[str, int] = {}
         self.ctrl_values_sent = 0  # values sent whole on ctrl (new description keys)
         self.peak_pending_sends = 0  # most sends posted and not yet waited for, at once
         self.posted: list[tuple[P2P, ...]] = []  # every group posted, for tests and traces
@@ -401,6 +403,10 @@ class Comm:
     def _prepare_send(self, op: P2P, value: Any, ops: list[tuple[str, torch.Tensor, int]]) -> None:
         tensors, desc = describe(value)
         key = self._key(op.peer, op.transfer)
+        t = op.transfer
+        where = f"{t.kind} {self.layout.pp_rank}->{self.layout.place(op.peer)[0]}"
+        payload = sum(x.numel() * x.element_size() for x in tensors)
+        self.boundary_bytes[where] = self.boundary_bytes.get(where, 0) + payload
         known = self.cache.send.get(key)
         if known is None:  # a key new this step: the whole value on ctrl, described
             earlier = self._new_send.setdefault(key, desc)

@@ -253,13 +253,16 @@ class Pipeline:
         topo = self.topology
         return self.holds_last_stage and (not topo.stage_meshes or topo.coords["tp"] == 0)
 
-    def comm_stats(self) -> dict[str, int]:
+    def comm_stats(self) -> dict[str, Any]:
         """Bytes this rank moved in the last step: sent on the pp axis (headers included),
         and on the dp axis (ring all-reduce / all-gather + reduce-scatter, computed from the
-        parameter bytes) next to the minimum any data-parallel scheme must move."""
+        parameter bytes) next to the minimum any data-parallel scheme must move. Per
+        boundary, ``"boundary_bytes"`` maps ``"act 0->1"`` / ``"grad 1->0"`` (pp ranks) to
+        the tensor bytes this process sent across it."""
         comm = getattr(self, "_comm_now", None)
         return {
             "pp_bytes_sent": 0 if comm is None else comm.bytes_sent,
+            "boundary_bytes": {} if comm is None else dict(comm.boundary_bytes),
             "dp_bytes": self._spmd.dp_bytes_per_step,
             "dp_bytes_min": self._spmd.dp_bytes_min,
         }

@@ -1,0 +1,245 @@
+"""Stage meshes: one mesh per pp rank, shapes that differ, against one process.
+
+Every process passes the whole batch; a stage on a mesh with dp = d runs its d-th part of
+each microbatch's rows. The oracle is unchanged: 3 AdamW steps with gradient clipping must
+give the loss, the global grad norm, the gradients of every step and the parameters of one
+process training the whole model on the whole batch. One spawn of 3 processes and one of 4.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+
+from parity import D, blocks, full_grad_diff, mse, refusal, registered
+
+GRAD_ATOL = 1e-5  # gradients of every step (first step: ~3e-8)
+ATOL = 1e-5  # loss and grad norm
+# parameters after 3 AdamW steps: Adam divides by sqrt(v), so a gradient element near zero
+# that differs by 1e-8 moves its parameter by up to lr; 1e-4 still catches any real error
+PARAM_ATOL = 1e-4
+TP_PLAN = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _adamw_case(
+    meshes: list[Any],
+    schedule: str,
+    *,
+    dp: str | None = None,
+    batch: int = 16,
+    num_microbatches: int = 4,
+    steps: int = 3,
+) -> dict[str, Any]:
+    net = blocks(8)
+    ref = copy.deepcopy(net)
+    pipe = meshpipe.Pipeline(
+        net, meshes, schedule=schedule, num_microbatches=num_microbatches, loss_fn=mse,
+        dp=dp, tp_plan=TP_PLAN, timeout=60,
+    )  # fmt: skip
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    worst = {"loss": 0.0, "norm": 0.0, "grad": 0.0}
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        x, y = torch.randn(batch, D), torch.randn(batch, D)
+        loss = pipe.step(x, target=y)
+        expected = mse(ref(x), y)
+        expected.backward()
+        worst["grad"] = max(worst["grad"], full_grad_diff(pipe, ref))
+        norm = pipe.clip_grad_norm_(0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst["loss"] = max(worst["loss"], abs(loss.item() - expected.item()))
+        worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()))
+    ref_params = dict(ref.named_parameters())
+    param = 0.0
+    for name, p in pipe.named_parameters():
+        param = max(param, (_full(p.detach()) - ref_params[name]).abs().max().item())
+    return {
+        "worst": worst,
+        "param": param,
+        "boundary_bytes": pipe.comm_stats()["boundary_bytes"],
+        "coords": dict(pipe.topology.coords),
+    }
+
+
+def _errors() -> dict[str, str]:
+    """Bad input to stage meshes, refused alike on every process (3 processes)."""
+    out = {"too_many": refusal(lambda: meshpipe.init_stage_meshes([{"tp": 2}, {"tp": 2}]))}
+    out["bad_axis"] = refusal(lambda: meshpipe.init_stage_meshes([{"pp": 1}, {"tp": 2}]))
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
+    out["no_plan"] = refusal(
+        lambda: meshpipe.Pipeline(blocks(2), meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]),
+                                  "1f1b", 2, mse)  # fmt: skip
+    )
+    pipe = meshpipe.Pipeline(blocks(2), meshes, "1f1b", 2, mse, timeout=30)
+    # 3 rows in 2 microbatches: the second has 1 row, which the dp=2 mesh cannot cut
+    out["few_rows"] = refusal(lambda: pipe.step(torch.randn(3, D), target=torch.randn(3, D)))
+    # the pipeline still works after the refusal
+    out["after"] = str(pipe.step(torch.randn(4, D), target=torch.randn(4, D)).item())
+    return out
+
+
+def _three() -> dict[str, Any]:
+    out: dict[str, Any] = {"tp1_tp2": _adamw_case(meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b")}
+    if registered("zbv"):  # V: pp rank 0 holds the first and the last stage, on dp=2
+        meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 1}])
+        out["zbv_dp2_tp1_uneven"] = _adamw_case(meshes, "zbv", batch=13)
+    out["errors"] = _errors()
+    return out
+
+
+def _checkpoint_round_trip(path: str) -> dict[str, float]:
+    """Save from stage meshes; load into a uniform pp2 x dp2 mesh; save; load back."""
+    torch.manual_seed(5)
+    x, y = torch.randn(8, D), torch.randn(8, D)
+    shapes = [{"dp": 2}, {"tp": 2}]
+    pipe = meshpipe.Pipeline(blocks(8), meshpipe.init_stage_meshes(shapes), "1f1b", 2, mse,
+                             tp_plan=TP_PLAN, timeout=60)  # fmt: skip
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe.step(x, target=y)
+    opt.step()
+    opt.zero_grad()
+    first = os.path.join(path, "from_stage_meshes")
+    meshpipe.checkpoint.save(pipe, first, optimizer=opt, extra={"step": 1})
+    loss_stage = pipe.step(x, target=y).item()
+    # into a uniform mesh (other schedule and stage count), and one more step there
+    uniform = meshpipe.Pipeline(blocks(8), meshpipe.init_mesh(pp=2, dp=2), "interleaved_1f1b",
+                                4, mse, stages_per_rank=2, timeout=60)  # fmt: skip
+    uopt = torch.optim.AdamW(uniform.parameters(), lr=1e-2)
+    extra = meshpipe.checkpoint.load(uniform, first, optimizer=uopt)
+    names = uniform.topology.coords
+    xs = torch.tensor_split(x, 2)[names["dp"]]
+    ys = torch.tensor_split(y, 2)[names["dp"]]
+    loss_uniform = uniform.step(xs, target=ys).item()
+    second = os.path.join(path, "from_uniform")
+    meshpipe.checkpoint.save(uniform, second, optimizer=uopt)
+    # and back into stage meshes of another shape
+    back = meshpipe.Pipeline(blocks(8), meshpipe.init_stage_meshes([{"tp": 2}, {"dp": 2}]),
+                             "1f1b", 2, mse, tp_plan=TP_PLAN, timeout=60)  # fmt: skip
+    bopt = torch.optim.AdamW(back.parameters(), lr=1e-2)
+    meshpipe.checkpoint.load(back, second, optimizer=bopt)
+    loss_back = back.step(x, target=y).item()
+    return {
+        "step": float(extra["step"]),
+        "uniform_vs_stage": abs(loss_uniform - loss_stage),
+        "back_vs_stage": abs(loss_back - loss_stage),
+        "loss": loss_stage,
+    }
+
+
+def _four(path: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dp in ("ddp", None):
+        meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 2}])
+        out[f"dp2_tp2_{dp}"] = _adamw_case(meshes, "1f1b", dp=dp)
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 1}])
+    out["fsdp_middle"] = _adamw_case(meshes, "1f1b", dp="fsdp", batch=12, num_microbatches=3)
+    out["checkpoint"] = _checkpoint_round_trip(path)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def three() -> list[dict[str, Any]]:
+    return run_on_ranks(_three, 3, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four() -> Iterator[tuple[list[dict[str, Any]], str]]:
+    with tempfile.TemporaryDirectory() as path:
+        yield run_on_ranks(_four, 4, path, timeout=500), path
+
+
+def _check(results: list[dict[str, Any]], case: str) -> None:
+    for rank, res in enumerate(results):
+        if case not in res:
+            pytest.skip(f"{case} not run (schedule not registered)")
+        got = res[case]
+        for metric, value in got["worst"].items():
+            limit = GRAD_ATOL if metric == "grad" else ATOL
+            assert value <= limit, f"process {rank}, {case}: {metric} differs by {value}"
+        assert got["param"] <= PARAM_ATOL, f"process {rank}, {case}: params differ by {got['param']}"
+
+
+@pytest.mark.parametrize("case", ["tp1_tp2", "zbv_dp2_tp1_uneven"])
+def test_three_processes_match_one_process(three: list[dict[str, Any]], case: str) -> None:
+    _check(three, case)
+
+
+@pytest.mark.parametrize("case", ["dp2_tp2_ddp", "dp2_tp2_None", "fsdp_middle"])
+def test_four_processes_match_one_process(
+    four: tuple[list[dict[str, Any]], str], case: str
+) -> None:
+    _check(four[0], case)
+
+
+def test_boundary_bytes_are_the_minimum(four: tuple[list[dict[str, Any]], str]) -> None:
+    """[{"dp": 2}, {"tp": 2}], 16 rows of D fp32 per step: each of the 2 receiving tp ranks
+    needs every row once (act), each of the 2 dp ranks needs its 8 rows' gradient (grad);
+    the senders share the work."""
+    results = four[0]
+    row = D * 4
+    sent: dict[str, list[int]] = {}
+    for res in results:
+        for where, n in res["dp2_tp2_ddp"]["boundary_bytes"].items():
+            sent.setdefault(where, []).append(n)
+    assert sum(sent["act 0->1"]) == 2 * 16 * row, sent
+    assert sum(sent["grad 1->0"]) == 16 * row, sent
+    # both dp ranks send (one receiver each), both tp ranks send (one dp part each)
+    assert sorted(sent["act 0->1"]) == [16 * row, 16 * row], sent
+    assert sorted(sent["grad 1->0"]) == [8 * row, 8 * row], sent
+
+
+def test_errors_are_the_same_on_every_process(three: list[dict[str, Any]]) -> None:
+    errs = [r["errors"] for r in three]
+    assert all(e == errs[0] for e in errs), errs
+    e = errs[0]
+    assert "2 + 2 = 4 processes" in e["too_many"] and "world size is 3" in e["too_many"], e
+    assert "['pp']" in e["bad_axis"], e
+    assert "no tp_plan" in e["no_plan"], e
+    assert "microbatch 1 has 1 rows" in e["few_rows"] and "dp=2" in e["few_rows"], e
+    assert float(e["after"]) > 0
+
+
+def test_checkpoint_moves_between_stage_meshes_and_uniform_meshes(
+    four: tuple[list[dict[str, Any]], str],
+) -> None:
+    for res in four[0]:
+        c = res["checkpoint"]
+        assert c["step"] == 1.0
+        assert c["uniform_vs_stage"] <= ATOL, c
+        assert c["back_vs_stage"] <= ATOL, c
+
+
+def test_checkpoint_from_stage_meshes_loads_into_one_process(
+    four: tuple[list[dict[str, Any]], str],
+) -> None:
+    results, path = four
+    module = blocks(8, seed=99)  # other values: the load must replace them all
+    extra = meshpipe.checkpoint.load(module, os.path.join(path, "from_stage_meshes"))
+    assert extra["step"] == 1
+    torch.manual_seed(5)
+    x, y = torch.randn(8, D), torch.randn(8, D)
+    with torch.no_grad():
+        loss = mse(module(x), y).item()
+    assert abs(loss - results[0]["checkpoint"]["loss"]) <= ATOL
