@@ -60,7 +60,8 @@ def _check_trace(path: Path, schedule: object) -> None:
     trace = json.loads(path.read_text())
     events = trace["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert names == {r: f"rank {r}" for r in range(4)}
+    # each process's row is named by its global rank and mesh coordinates (pp x dp mesh)
+    assert names == {r: f"process {r} (pp {r // 2}, dp {r % 2}, tp 0)" for r in range(4)}
     complete = [e for e in events if e["ph"] == "X"]
     for e in complete:
         assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e)

@@ -9,6 +9,7 @@ process training the whole model on the whole batch. One spawn of 3 processes an
 from __future__ import annotations
 
 import copy
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -45,8 +46,10 @@ def _adamw_case(
     batch: int = 16,
     num_microbatches: int = 4,
     steps: int = 3,
+    layers: int = 8,
+    trace: str | None = None,
 ) -> dict[str, Any]:
-    net = blocks(8)
+    net = blocks(layers)
     ref = copy.deepcopy(net)
     pipe = meshpipe.Pipeline(
         net, meshes, schedule=schedule, num_microbatches=num_microbatches, loss_fn=mse,
@@ -70,6 +73,8 @@ def _adamw_case(
         ref_opt.zero_grad()
         worst["loss"] = max(worst["loss"], abs(loss.item() - expected.item()))
         worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()))
+    if trace is not None:
+        pipe.save_trace(trace)
     ref_params = dict(ref.named_parameters())
     param = 0.0
     for name, p in pipe.named_parameters():
@@ -88,8 +93,9 @@ def _errors() -> dict[str, str]:
     out["bad_axis"] = refusal(lambda: meshpipe.init_stage_meshes([{"pp": 1}, {"tp": 2}]))
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
     out["no_plan"] = refusal(
-        lambda: meshpipe.Pipeline(blocks(2), meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]),
-                                  "1f1b", 2, mse)  # fmt: skip
+        lambda: meshpipe.Pipeline(
+            blocks(2), meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b", 2, mse
+        )  # fmt: skip
     )
     pipe = meshpipe.Pipeline(blocks(2), meshes, "1f1b", 2, mse, timeout=30)
     # 3 rows in 2 microbatches: the second has 1 row, which the dp=2 mesh cannot cut
@@ -99,12 +105,55 @@ def _errors() -> dict[str, str]:
     return out
 
 
+def _hf_case() -> dict[str, float]:
+    """A traced Hugging Face GPT-2 (tied embedding on both meshes) on [{"tp": 1}, {"dp": 2}]:
+    the step, forward's whole-batch output gathered from the dp=2 last mesh, and the tied
+    copies staying equal through AdamW steps."""
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = sm.gpt2(2)
+    ref = copy.deepcopy(model)
+    ids, mask, target = sm.tokens()
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
+    pipe = meshpipe.Pipeline(model, meshes, "1f1b", 4, sm.lm_loss,
+                             split_points=["transformer.h.1"], timeout=60)  # fmt: skip
+    loss = pipe.step(ids, target=target, attention_mask=mask)
+    expected = sm.lm_loss(ref(ids, attention_mask=mask), target)
+    expected.backward()
+    res = {"loss": abs(loss.item() - expected.item()), "grad": full_grad_diff(pipe, ref)}
+    out = pipe.forward(ids, attention_mask=mask)
+    with torch.no_grad():
+        ref_logits = ref(ids, attention_mask=mask).logits
+    if pipe.holds_last_stage:
+        res["forward"] = (out["logits"] - ref_logits).abs().max().item()
+        res["forward_rows"] = float(out["logits"].shape[0])
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.step()
+        opt.zero_grad()
+        pipe.step(ids, target=target, attention_mask=mask)
+    wte = dict(pipe.named_parameters())["transformer.wte.weight"].detach()
+    copies = [torch.empty_like(wte) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, wte)
+    res["tied_spread"] = max((c - copies[0]).abs().max().item() for c in copies)
+    res["tied_moved"] = (copies[0] - ref.transformer.wte.weight).abs().max().item()
+    return res
+
+
 def _three() -> dict[str, Any]:
-    out: dict[str, Any] = {"tp1_tp2": _adamw_case(meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b")}
+    out: dict[str, Any] = {
+        "tp1_tp2": _adamw_case(meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b")
+    }
     if registered("zbv"):  # V: pp rank 0 holds the first and the last stage, on dp=2
         meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 1}])
         out["zbv_dp2_tp1_uneven"] = _adamw_case(meshes, "zbv", batch=13)
     out["errors"] = _errors()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return out
+    out["hf"] = _hf_case()
     return out
 
 
@@ -178,7 +227,9 @@ def _check(results: list[dict[str, Any]], case: str) -> None:
         for metric, value in got["worst"].items():
             limit = GRAD_ATOL if metric == "grad" else ATOL
             assert value <= limit, f"process {rank}, {case}: {metric} differs by {value}"
-        assert got["param"] <= PARAM_ATOL, f"process {rank}, {case}: params differ by {got['param']}"
+        assert got["param"] <= PARAM_ATOL, (
+            f"process {rank}, {case}: params differ by {got['param']}"
+        )
 
 
 @pytest.mark.parametrize("case", ["tp1_tp2", "zbv_dp2_tp1_uneven"])
@@ -243,3 +294,44 @@ def test_checkpoint_from_stage_meshes_loads_into_one_process(
     with torch.no_grad():
         loss = mse(module(x), y).item()
     assert abs(loss - results[0]["checkpoint"]["loss"]) <= ATOL
+
+
+def _five(path: str) -> dict[str, Any]:
+    """The layout of the issue: a 1-process first stage, a dp=2 trunk, a tp=2 head."""
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 2}])
+    trace = os.path.join(path, "trace.json")
+    out = {"1f1b": _adamw_case(meshes, "1f1b", dp="ddp", batch=12, trace=trace)}
+    if registered("interleaved_1f1b"):  # 6 stages, 2 per mesh
+        out["interleaved"] = _adamw_case(
+            meshes, "interleaved_1f1b", dp="ddp", batch=12, num_microbatches=6, layers=6
+        )
+    return out
+
+
+def test_five_processes_tp1_dp2_tp2(tmp_path: Any) -> None:
+    results = run_on_ranks(_five, 5, str(tmp_path), timeout=400)
+    for case in ("1f1b", "interleaved"):
+        _check(results, case)
+    # the trace has a row per process, named with its mesh coordinates
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert names == [
+        "process 0 (pp 0, dp 0, tp 0)",
+        "process 1 (pp 1, dp 0, tp 0)",
+        "process 2 (pp 1, dp 1, tp 0)",
+        "process 3 (pp 2, dp 0, tp 0)",
+        "process 4 (pp 2, dp 0, tp 1)",
+    ]
+    actions = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert actions == set(range(5))
+
+
+def test_traced_hf_model_with_tied_weights(three: list[dict[str, Any]]) -> None:
+    if "hf" not in three[0]:
+        pytest.skip("transformers not installed")
+    for rank, res in enumerate(three):
+        hf = res["hf"]
+        assert hf["loss"] <= ATOL and hf["grad"] <= ATOL, (rank, hf)
+        assert hf["tied_spread"] == 0.0 and hf["tied_moved"] > 1e-3, (rank, hf)
+    for res in three[1:]:  # the dp=2 last mesh: each process returns the whole batch
+        assert res["hf"]["forward"] <= ATOL and res["hf"]["forward_rows"] == 8.0, res["hf"]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.checkpoint.errors import CheckpointError
 from meshpipe.runtime.pipeline import Pipeline
@@ -69,10 +70,11 @@ def _pipeline_target(pipe: Pipeline) -> Target:
     if lay.stage_meshes:  # one mesh per pp rank: record each one's shape
         shapes = [dict(zip(("dp", "tp"), lay.shape(i), strict=True)) for i in range(len(lay.grids))]
         sizes = {"stage_meshes": shapes}
+    elif isinstance(pipe.mesh, DeviceMesh):
+        names = tuple(pipe.mesh.mesh_dim_names or ())
+        sizes = {name: int(pipe.mesh.size(i)) for i, name in enumerate(names)}
     else:
-        mesh = pipe.mesh
-        names = tuple(mesh.mesh_dim_names or ())
-        sizes = {name: int(mesh.size(i)) for i, name in enumerate(names)}
+        raise CheckpointError(f"internal: a Pipeline on {type(pipe.mesh).__name__}")
     coords = dict(pipe.topology.coords)
     distributed = dist.is_available() and dist.is_initialized()
     sched = pipe.schedule

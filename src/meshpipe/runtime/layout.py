@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.pytree import flatten, unflatten
+from meshpipe.runtime.waits import wait_work
 
-__all__ = ["Layout", "Piece", "part_bounds", "split_value", "join_values"]
+__all__ = ["Layout", "Piece", "part_bounds", "split_value", "join_values", "gather_parts"]
 
 Grid = tuple[tuple[int, ...], ...]  # [dp][tp] -> process index
 
@@ -157,4 +159,27 @@ def join_values(values: Sequence[Any], pieces: Sequence[Piece]) -> Any:
         if t.requires_grad and whole.is_floating_point():
             whole.requires_grad_(True)
         joined.append(whole)
+    return unflatten(joined, spec)
+
+
+def gather_parts(
+    value: Any, group: dist.ProcessGroup, bounds: Sequence[int], timeout: float
+) -> Any:
+    """The whole microbatch from the dp parts of a mesh's processes (collective over the dp
+    ``group``, this process's part ``value``; ``bounds`` as :func:`part_bounds`). Tensor
+    leaves are cut on dim 0; each is padded to the largest part for the all-gather."""
+    leaves, spec = flatten(value)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    most = max(sizes)
+    joined = []
+    for t in leaves:
+        if t.dim() == 0:
+            joined.append(t)
+            continue
+        pad = t.new_zeros((most, *t.shape[1:]))
+        pad[: t.shape[0]] = t.detach()
+        parts = [torch.empty_like(pad) for _ in sizes]
+        work = dist.all_gather(parts, pad, group=group, async_op=True)
+        wait_work(work, timeout, "gathering the last stage's outputs over dp")
+        joined.append(torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]))
     return unflatten(joined, spec)

@@ -60,9 +60,7 @@ def check_parts(sizes: Sequence[int], parts: int, where: str) -> None:
             )
 
 
-def dp_part(
-    mbs: Microbatches, part: int, parts: int, chunk_spec: ChunkSpec | None
-) -> Microbatches:
+def dp_part(mbs: Microbatches, part: int, parts: int, chunk_spec: ChunkSpec | None) -> Microbatches:
     """Part ``part`` of ``parts`` of every microbatch's rows (stage meshes: a stage whose
     mesh has ``dp = parts`` runs part ``dp`` coordinate of each microbatch)."""
     if parts == 1:
@@ -72,9 +70,7 @@ def dp_part(
     def cut(value: Any, dim: int | Replicate, what: str) -> Any:
         return _split_value(value, parts, dim, what)[part]
 
-    targets = [
-        None if t is None else cut(t, spec.get("target", 0), "target") for t in mbs.targets
-    ]
+    targets = [None if t is None else cut(t, spec.get("target", 0), "target") for t in mbs.targets]
     return Microbatches(
         args=[
             tuple(cut(a, spec.get(i, 0), f"argument {i}") for i, a in enumerate(args))

@@ -403,8 +403,8 @@ class Comm:
     def _prepare_send(self, op: P2P, value: Any, ops: list[tuple[str, torch.Tensor, int]]) -> None:
         tensors, desc = describe(value)
         key = self._key(op.peer, op.transfer)
-        t = op.transfer
-        where = f"{t.kind} {self.layout.pp_rank}->{self.layout.place(op.peer)[0]}"
+        kind = op.transfer.kind
+        where = f"{kind} {self.layout.pp_rank}->{self.layout.place(op.peer)[0]}"
         payload = sum(x.numel() * x.element_size() for x in tensors)
         self.boundary_bytes[where] = self.boundary_bytes.get(where, 0) + payload
         known = self.cache.send.get(key)

@@ -21,6 +21,7 @@ from meshpipe.runtime.agree import CHECKS, Agreement, fingerprint, schedule_dige
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
+from meshpipe.runtime.layout import gather_parts, part_bounds
 from meshpipe.runtime.microbatch import (
     ChunkSpec,
     Microbatches,
@@ -37,8 +38,8 @@ from meshpipe.runtime.recompute import Policy, apply_policy, check_policy
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.schedules import Schedules
 from meshpipe.runtime.spmd import Spmd
-from meshpipe.runtime.stage_meshes import is_stage_meshes, stage_topology
 from meshpipe.runtime.stage import StageRunner
+from meshpipe.runtime.stage_meshes import is_stage_meshes, stage_topology
 from meshpipe.runtime.topology import Topology, pp_channels
 from meshpipe.runtime.trace import save_trace
 from meshpipe.runtime.waits import Watchdog
@@ -294,7 +295,7 @@ class Pipeline:
         Collective: every process calls it; global rank 0 writes the file. Waits longer
         than 20 us before an action's inputs arrive appear as "wait" events.
         """
-        save_trace(self._records, path, self.schedule.name)
+        save_trace(self._records, path, self.schedule.name, self.topology.coords)
 
     # -- running -----------------------------------------------------------------------
     def _check_call(
@@ -325,9 +326,7 @@ class Pipeline:
                 call, schedule, digest, args, kwargs, target, self._training, self.check_inputs
             )
             lay = self.topology.layout
-            agreement = Agreement(
-                fields, self._channels.ctrl, len(lay.ranks), self.timeout, lay.me
-            )
+            agreement = Agreement(fields, self._channels.ctrl, len(lay.ranks), self.timeout, lay.me)
 
         def gate() -> None:
             if agreement is not None:
@@ -403,6 +402,7 @@ class Pipeline:
                 args, kwargs, target, schedule.num_microbatches, self.chunk_spec
             )
             mbs = self._local_part(whole)
+            self._whole_rows = whole.sizes
         except Exception:
             gate()  # a difference between the ranks is the better message, and is collective
             raise
@@ -560,6 +560,13 @@ class Pipeline:
         out = [runner.outputs[mb] for mb in range(sched.num_microbatches)]
         runner.outputs.clear()
         runner.keep_outputs = False
+        topo = self.topology
+        if topo.stage_meshes and topo.dp_group is not None:  # the whole batch's rows
+            rows = self._whole_rows
+            out = [
+                gather_parts(o, topo.dp_group, part_bounds(r, topo.dp_size), self.timeout)
+                for o, r in zip(out, rows, strict=True)
+            ]
         return merge_outputs(out)
 
     def _reduce(

@@ -42,9 +42,7 @@ class Spmd:
         lay = topo.layout
         # with stage meshes every process checks every mesh, so all of them refuse alike
         tp_sizes = (
-            {lay.shape(i)[1] for i in range(len(lay.grids))}
-            if lay.stage_meshes
-            else {topo.tp_size}
+            {lay.shape(i)[1] for i in range(len(lay.grids))} if lay.stage_meshes else {topo.tp_size}
         )
         self._tp_sizes = sorted(t for t in tp_sizes if t > 1)
         self._plan_to_check = tp_plan

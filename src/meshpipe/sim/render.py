@@ -181,16 +181,18 @@ def chrome_trace(
     *,
     process_label: str = "rank",
     metadata: Mapping[str, Any] | None = None,
+    labels: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Chrome trace JSON (a dict) from per-rank rows of ``(name, start_s, end_s, args)``.
 
     Row ``i`` becomes process ``i`` named ``"{process_label} {i}"``; every entry becomes a
     complete ("X") event with ``ts``/``dur`` in microseconds. Opens in Perfetto or
-    chrome://tracing. ``metadata`` goes under ``otherData``.
+    chrome://tracing. ``metadata`` goes under ``otherData``. ``labels`` names the rows
+    instead (one per row), e.g. with mesh coordinates.
     """
     events: list[dict[str, Any]] = []
     for pid, row in enumerate(rows):
-        label = f"{process_label} {pid}"
+        label = labels[pid] if labels is not None else f"{process_label} {pid}"
         events.append(
             {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}}
         )

@@ -61,7 +61,7 @@ class WholeModel:
         kwargs: dict[str, Any],
         local: Sequence[int],
         placement: Sequence[int],
-        mesh: DeviceMesh,
+        mesh: DeviceMesh | Sequence[DeviceMesh],
         pp_axis: str,
         device: torch.device,
         microbatch: Example | None = None,
