@@ -11,15 +11,20 @@ CODE = textwrap.dedent(
     import contextlib, io, sys
     import meshpipe, meshpipe.schedule, meshpipe.sim
     from meshpipe.sim import Cost, render_ascii, simulate
+    from meshpipe.sim.meshes import stage_mesh_cost
     s = meshpipe.get_schedule("1f1b", num_ranks=4, num_microbatches=8)
     t = meshpipe.simulate(s, meshpipe.Cost(f=1.0, b=2.0))
     assert render_ascii(simulate(s, Cost(f=1, b=2)))
     assert t.makespan == 33
+    assert meshpipe.stage_mesh_cost is stage_mesh_cost
+    assert stage_mesh_cost(Cost(f=1, b=2), s, [{"dp": 2}, {}, {"tp": 2}, {}]).f == (0.5, 1, 0.5, 1)
     from meshpipe.cli import main
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["show", "1f1b", "--ranks", "2", "--microbatches", "4"]) == 0
         assert main(["simulate", "gpipe", "--ranks", "2", "--microbatches", "4"]) == 0
         assert main(["compare", "1f1b", "gpipe", "--ranks", "2", "--microbatches", "4"]) == 0
+        assert main(["simulate", "1f1b", "--ranks", "2", "--microbatches", "4",
+                     "--stage-meshes", "dp=2;tp=2", "--mesh-efficiency", "0.8"]) == 0
     loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
     print("TORCH:", loaded)
     """

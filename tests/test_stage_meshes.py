@@ -12,19 +12,21 @@ import copy
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import D, blocks, full_grad_diff, mse, refusal, registered
+from parity import D, OnCall, blocks, full_grad_diff, mse, refusal, registered
 
 GRAD_ATOL = 1e-5  # gradients of every step (first step: ~3e-8)
 ATOL = 1e-5  # loss and grad norm
@@ -141,6 +143,80 @@ def _hf_case() -> dict[str, float]:
     return res
 
 
+class Head(nn.Module):
+    """First stage: a pytree out (rows on dim 0, a 0-dim tensor, a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        h = torch.tanh(self.lin(x))
+        return h, {"aux": h.mean(dim=-1), "scale": self.lin.weight.sum(), "tag": "h"}
+
+
+class Tail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, h: torch.Tensor, extra: dict[str, Any]) -> torch.Tensor:
+        if extra["tag"] != "h":
+            raise ValueError(extra)
+        return self.lin(h) * extra["scale"] + extra["aux"].unsqueeze(-1)
+
+
+def _pytrees_and_shapes() -> dict[str, float]:
+    """Pytrees across a dp regrouping (tp1 -> dp2), and shapes that change between steps:
+    batch rows (16 then 10 then 7: uneven parts) and the sequence length of 3-d inputs."""
+    torch.manual_seed(3)
+    stages: list[nn.Module] = [Head(), Tail()]
+    ref = nn.Sequential()  # composed by hand below
+    ref_head, ref_tail = copy.deepcopy(stages[0]), copy.deepcopy(stages[1])
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
+    pipe = meshpipe.Pipeline(stages, meshes, "1f1b", 3, mse, timeout=60)
+    worst = 0.0
+    for rows, seq in ((16, 0), (10, 0), (7, 0), (12, 5), (12, 3)):
+        shape = (rows, D) if not seq else (rows, seq, D)
+        x, y = torch.randn(shape), torch.randn(shape)
+        loss = pipe.step(x, target=y)
+        expected = mse(ref_tail(*ref_head(x)), y)
+        expected.backward()
+        worst = max(worst, abs(loss.item() - expected.item()))
+        for (_name, p), (_, r) in zip(
+            pipe.named_parameters(),
+            [*ref_head.named_parameters(), *ref_tail.named_parameters()][
+                0 if pipe.topology.pp_rank == 0 else 2 :
+            ],
+        ):
+            worst = max(worst, (p.grad - r.grad).abs().max().item())
+        pipe.zero_grad()
+        ref_head.zero_grad()
+        ref_tail.zero_grad()
+    del ref
+    return {"worst": worst}
+
+
+def _failure() -> dict[str, str]:
+    """A stage failing on one process of a dp=2 mesh stops every process."""
+
+    def boom() -> None:
+        if dist.get_rank() == 2:
+            raise RuntimeError("boom on process 2")
+
+    stages: list[nn.Module] = [nn.Linear(D, D), OnCall(boom, {2})]
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
+    pipe = meshpipe.Pipeline(stages, meshes, "1f1b", 4, mse, timeout=30)
+    t0 = time.monotonic()
+    try:
+        pipe.step(torch.randn(8, D), target=torch.randn(8, D))
+        got = {"kind": "none", "msg": ""}
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        got = {"kind": type(e).__name__, "msg": str(e)}
+    got["seconds"] = f"{time.monotonic() - t0:.1f}"
+    return got
+
+
 def _three() -> dict[str, Any]:
     out: dict[str, Any] = {
         "tp1_tp2": _adamw_case(meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b")
@@ -149,6 +225,8 @@ def _three() -> dict[str, Any]:
         meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 1}])
         out["zbv_dp2_tp1_uneven"] = _adamw_case(meshes, "zbv", batch=13)
     out["errors"] = _errors()
+    out["pytrees_and_shapes"] = _pytrees_and_shapes()
+    out["failure"] = _failure()
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -335,3 +413,17 @@ def test_traced_hf_model_with_tied_weights(three: list[dict[str, Any]]) -> None:
         assert hf["tied_spread"] == 0.0 and hf["tied_moved"] > 1e-3, (rank, hf)
     for res in three[1:]:  # the dp=2 last mesh: each process returns the whole batch
         assert res["hf"]["forward"] <= ATOL and res["hf"]["forward_rows"] == 8.0, res["hf"]
+
+
+def test_pytrees_and_changing_shapes_cross_a_dp_regrouping(three: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(three):
+        assert res["pytrees_and_shapes"]["worst"] <= ATOL, (rank, res["pytrees_and_shapes"])
+
+
+def test_a_failure_on_one_process_stops_every_process(three: list[dict[str, Any]]) -> None:
+    kinds = [r["failure"]["kind"] for r in three]
+    assert kinds == ["RemoteStageError", "RemoteStageError", "RuntimeError"], three
+    assert "boom on process 2" in three[2]["failure"]["msg"]
+    for res in three[:2]:
+        assert "boom on process 2" in res["failure"]["msg"], res["failure"]
+        assert float(res["failure"]["seconds"]) < 20, res["failure"]  # not the 30 s timeout

@@ -25,6 +25,7 @@ _LAZY: dict[str, str] = {
     "Cost": "meshpipe.sim.simulate",
     "Timeline": "meshpipe.sim.simulate",
     "simulate": "meshpipe.sim.simulate",
+    "stage_mesh_cost": "meshpipe.sim.meshes",
     # errors
     "MeshpipeError": "meshpipe.errors",
     "ScheduleError": "meshpipe.errors",

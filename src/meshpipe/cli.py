@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -17,6 +17,7 @@ from meshpipe.errors import MeshpipeError
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.registry import get_schedule, schedule_names
 from meshpipe.schedule.validate import validate
+from meshpipe.sim.meshes import mesh_processes, stage_mesh_cost
 from meshpipe.sim.simulate import Cost, CostValue, Timeline, simulate
 
 if TYPE_CHECKING:
@@ -67,6 +68,84 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--b", type=_cost_value, default=2.0, help="whole backward cost")
     p.add_argument("--w", type=_cost_value, default=None, help="weight part of b (default b/2)")
     p.add_argument("--p2p", type=float, default=0.0, help="time of one p2p transfer")
+
+
+def _stage_meshes(text: str) -> tuple[dict[str, int], ...]:
+    """``"tp=1;dp=2;tp=2"``: a mesh per pp rank separated by ``;``, its axes by ``,``;
+    an empty mesh or ``1`` is one process."""
+    meshes = []
+    for rank, part in enumerate(text.split(";")):
+        mesh: dict[str, int] = {}
+        body = part.strip()
+        for item in [] if body in ("", "1") else body.split(","):
+            axis, eq, size = (x.strip() for x in item.partition("="))
+            if not eq or not axis:
+                raise argparse.ArgumentTypeError(
+                    f"stage mesh {rank}: expected AXIS=SIZE such as dp=2, got {item.strip()!r}"
+                )
+            if axis in mesh:
+                raise argparse.ArgumentTypeError(f"stage mesh {rank} gives the axis {axis!r} twice")
+            try:
+                mesh[axis] = int(size)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"stage mesh {rank}: the size of {axis} must be an integer, got {size!r}"
+                ) from None
+        meshes.append(mesh)
+    try:
+        mesh_processes(meshes)  # unknown axes, sizes < 1
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return tuple(meshes)
+
+
+def _add_mesh_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stage-meshes",
+        type=_stage_meshes,
+        default=None,
+        metavar="SPEC",
+        help='one mesh per pp rank, e.g. "tp=1;dp=2;tp=2" (axes dp and tp, joined by ","; '
+        'an empty mesh or "1" is one process): a stage runs faster on more processes',
+    )
+    p.add_argument(
+        "--mesh-efficiency",
+        type=float,
+        default=None,
+        metavar="FLOAT",
+        help="scaling efficiency of a stage mesh in (0, 1]: n processes run a stage "
+        "1 + (n - 1) * FLOAT times faster (default 1.0, linear)",
+    )
+
+
+def _check_mesh_args(args: argparse.Namespace, num_ranks: int | None) -> None:
+    """CLI errors for mesh options that cannot apply, before any schedule is simulated."""
+    meshes: Sequence[Mapping[str, int]] | None = args.stage_meshes
+    if meshes is None:
+        if args.mesh_efficiency is not None:
+            raise CliError("--mesh-efficiency needs --stage-meshes")
+        return
+    eff = args.mesh_efficiency
+    if eff is not None and not 0.0 < eff <= 1.0:  # also refuses nan
+        raise CliError(f"--mesh-efficiency must be in (0, 1] (1 = linear scaling), got {eff:g}")
+    if num_ranks is not None and len(meshes) != num_ranks:
+        raise CliError(
+            f"--stage-meshes gives {len(meshes)} meshes but the schedule has {num_ranks} "
+            "pipeline ranks; give one mesh per rank, separated by ';'"
+        )
+
+
+def _apply_meshes(cost: Cost, s: Schedule, args: argparse.Namespace) -> Cost:
+    """``cost`` scaled by the stage meshes of the options, if any."""
+    if args.stage_meshes is None:
+        return cost
+    _check_mesh_args(args, s.num_ranks)
+    efficiency = 1.0 if args.mesh_efficiency is None else args.mesh_efficiency
+    return stage_mesh_cost(cost, s, args.stage_meshes, efficiency)
+
+
+def _fmt_meshes(meshes: Sequence[Mapping[str, int]]) -> str:
+    return ";".join(",".join(f"{a}={n}" for a, n in m.items()) or "1" for m in meshes)
 
 
 def _load_schedule(name: str, args: argparse.Namespace) -> Schedule:
@@ -142,11 +221,13 @@ def _run_show(args: argparse.Namespace) -> int:
 def _configure_simulate(p: argparse.ArgumentParser) -> None:
     _add_schedule_args(p)
     _add_cost_args(p)
+    _add_mesh_args(p)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    _check_mesh_args(args, args.ranks)
     s = _load_schedule(args.name, args)
-    cost = _cost_from_args(args)
+    cost = _apply_meshes(_cost_from_args(args), s, args)
     t = simulate(s, cost)
     print(
         f"{s.name}: {s.num_ranks} ranks, {s.num_stages} stages "
@@ -155,6 +236,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
     print(
         f"cost: f={_fmt_cost(cost.f)} b={_fmt_cost(cost.b)} w={_fmt_cost(cost.w)} p2p={cost.p2p:g}"
     )
+    if args.stage_meshes is not None:
+        processes = " ".join(str(n) for n in mesh_processes(args.stage_meshes))
+        efficiency = 1.0 if args.mesh_efficiency is None else args.mesh_efficiency
+        print(
+            f"stage meshes: {_fmt_meshes(args.stage_meshes)} (processes per rank: {processes}; "
+            f"efficiency {efficiency:g})"
+        )
     print(f"makespan: {t.makespan:g}")
     print(f"bubble fraction: {t.bubble_fraction:.4f}")
     print(f"peak activations per rank: {_fmt_peaks(t)}")
@@ -175,6 +263,7 @@ def _fmt_cost(v: CostValue | None) -> str:
 def _configure_compare(p: argparse.ArgumentParser) -> None:
     _add_schedule_args(p, many=True)
     _add_cost_args(p)
+    _add_mesh_args(p)
     p.add_argument(
         "--costs-per-stage",
         action="store_true",
@@ -193,7 +282,7 @@ def _compare_row(name: str, args: argparse.Namespace) -> list[str]:
         cost = _cost_from_args(args)
         if not args.costs_per_stage and s.stages_per_rank > 1:
             cost = _scale_cost(cost, 1.0 / s.stages_per_rank)
-        t = simulate(s, cost)
+        t = simulate(s, _apply_meshes(cost, s, args))
     except (CliError, ValueError, MeshpipeError, OSError) as e:
         return [name, "-", "-", "-", f"refused: {str(e).splitlines()[0]}"]
     # peak activations in one unit for every schedule: a rank's share of the layers for
@@ -217,6 +306,7 @@ def _scale_cost(cost: Cost, k: float) -> Cost:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
+    _check_mesh_args(args, args.ranks)
     header = ["schedule", "stages/rank", "makespan", "bubble", "peak act (rank x mb)", ""]
     body = [_compare_row(n, args) for n in args.names]
     times = [float(r[2]) for r in body if r[2] != "-"]

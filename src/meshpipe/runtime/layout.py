@@ -143,18 +143,20 @@ def split_value(value: Any, pieces: Sequence[Piece], local_rows: int, where: str
     return out
 
 
-def join_values(values: Sequence[Any], pieces: Sequence[Piece]) -> Any:
-    """The inverse of :func:`split_value` on the receiving side (pieces in row order)."""
+def join_values(values: Sequence[Any], pieces: Sequence[Piece], summed: bool) -> Any:
+    """The inverse of :func:`split_value` on the receiving side (pieces in row order).
+    0-dim leaves went to every part whole: a value takes the first piece's, a gradient
+    (``summed``) the sum over the parts."""
     if len(pieces) == 1 and pieces[0].whole:
         return values[0]
     flat = [flatten(v) for v in values]
     leaves0, spec = flat[0]
     joined = []
     for i, t in enumerate(leaves0):
-        if t.dim() == 0:
-            joined.append(t)
-            continue
         parts = [leaves[i] for leaves, _ in flat]
+        if t.dim() == 0:
+            joined.append(torch.stack([p.detach() for p in parts]).sum() if summed else t)
+            continue
         whole = torch.cat([p.detach() for p in parts], dim=0)
         if t.requires_grad and whole.is_floating_point():
             whole.requires_grad_(True)

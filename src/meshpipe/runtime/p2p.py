@@ -375,7 +375,7 @@ class Comm:
         """The value of a receive posted earlier (``doing`` names the action, for errors)."""
         pieces = self._transfer_pieces(transfer, send=False)
         values = [self._take_piece(p.src, transfer, doing) for p in pieces]
-        return join_values(values, pieces)
+        return join_values(values, pieces, summed=transfer.kind == "grad")
 
     def _take_piece(self, peer: int, transfer: Transfer, doing: str) -> Any:
         r = self._recvs.pop((peer, transfer))

@@ -409,8 +409,9 @@ class Pipeline:
         self._last_mbs = mbs
         for r in self._runners.values():
             r.reset()
+        # of the whole microbatches: equal on every process, also where dp parts differ
         signatures = [
-            (training, input_signature(a, k)) for a, k in zip(mbs.args, mbs.kwargs, strict=True)
+            (training, input_signature(a, k)) for a, k in zip(whole.args, whole.kwargs, strict=True)
         ]
         comm = self._comm(schedule, signatures, whole.sizes)
         comm.gate = gate

@@ -1,6 +1,7 @@
 """Simulation of schedules: simulate(schedule, cost) -> Timeline, and its renderings. No torch."""
 
 from meshpipe.schedule.replay import Event
+from meshpipe.sim.meshes import stage_mesh_cost
 from meshpipe.sim.render import (
     chrome_trace,
     render_ascii,
@@ -19,5 +20,6 @@ __all__ = [
     "render_png",
     "save_chrome_trace",
     "simulate",
+    "stage_mesh_cost",
     "to_chrome_trace",
 ]

@@ -1,0 +1,96 @@
+"""Stage meshes in the simulator: per-stage costs scaled by the processes of each rank's mesh.
+
+A pp rank whose stage mesh has ``dp * tp`` processes runs its stages faster; this module
+turns a Cost measured (or guessed) for one process per stage into the Cost of a layout of
+stage meshes. No torch: a mesh here is only its axis sizes, as given to
+``meshpipe.init_stage_meshes``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from numbers import Real
+
+from meshpipe.schedule.ir import Schedule
+from meshpipe.sim.simulate import Cost
+
+__all__ = ["mesh_processes", "stage_mesh_cost"]
+
+MESH_AXES = ("dp", "tp")  # the axes of a stage mesh; a missing one has size 1
+
+
+def _processes(rank: int, mesh: object) -> int:
+    """dp * tp of one rank's mesh; ValueError naming the rank and the bad value."""
+    if not isinstance(mesh, Mapping):
+        raise ValueError(
+            f"stage mesh {rank} is {mesh!r}; give a dict of axis sizes such as {{'dp': 2}}"
+        )
+    unknown = sorted(str(k) for k in mesh if k not in MESH_AXES)
+    if unknown:
+        raise ValueError(
+            f"stage mesh {rank} names unknown axes {unknown}; a stage mesh has the axes "
+            f"{MESH_AXES} (missing axes have size 1)"
+        )
+    total = 1
+    for axis in MESH_AXES:
+        size = mesh.get(axis, 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"stage mesh {rank}: {axis} must be an int >= 1, got {size!r}")
+        total *= size
+    return total
+
+
+def mesh_processes(meshes: Sequence[Mapping[str, int]]) -> tuple[int, ...]:
+    """The number of processes (dp * tp) of each stage mesh, checked.
+
+    Raises ValueError naming the mesh and the value for an unknown axis or a size that is
+    not an int >= 1.
+    """
+    if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
+        raise ValueError(f"stage meshes must be a list of dicts (one per pp rank), got {meshes!r}")
+    return tuple(_processes(rank, mesh) for rank, mesh in enumerate(meshes))
+
+
+def _check_efficiency(efficiency: object) -> float:
+    if isinstance(efficiency, bool) or not isinstance(efficiency, Real):
+        raise ValueError(f"efficiency must be a number in (0, 1], got {efficiency!r}")
+    value = float(efficiency)
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise ValueError(f"efficiency must be in (0, 1] (1 = linear scaling), got {efficiency!r}")
+    return value
+
+
+def stage_mesh_cost(
+    cost: Cost,
+    schedule: Schedule,
+    meshes: Sequence[Mapping[str, int]],
+    efficiency: float = 1.0,
+) -> Cost:
+    """``cost`` with each stage's f, b (and w, when given) divided by its mesh's speedup.
+
+    Stage ``s`` runs on pp rank ``schedule.placement[s]``, whose mesh ``meshes[rank]`` has
+    ``n = dp * tp`` processes; its times are divided by ``1 + (n - 1) * efficiency``
+    (``efficiency`` 1 is linear scaling). The result has one value per stage for f, b and,
+    when ``cost.w`` is not None, w; ``p2p`` is unchanged.
+
+    Raises ValueError naming the bad value when ``meshes`` does not have one entry per rank,
+    a mesh has an unknown axis or a size that is not an int >= 1, ``efficiency`` is not in
+    (0, 1], or a per-stage cost does not have one entry per stage.
+    """
+    processes = mesh_processes(meshes)
+    if len(processes) != schedule.num_ranks:
+        raise ValueError(
+            f"{len(processes)} stage meshes given but the schedule has {schedule.num_ranks} "
+            "ranks; give one mesh per pp rank"
+        )
+    eff = _check_efficiency(efficiency)
+    speedup = tuple(1.0 + (processes[rank] - 1) * eff for rank in schedule.placement)
+    # per_stage expands scalars and checks the lengths; w > b is left to simulate()
+    f, b, w = cost.per_stage(schedule.num_stages, split_backward=False)
+
+    def scaled(values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(v / k for v, k in zip(values, speedup, strict=True))
+
+    return replace(cost, f=scaled(f), b=scaled(b), w=None if cost.w is None else scaled(w))
