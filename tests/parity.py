@@ -176,3 +176,28 @@ def check_case(results: list[dict[str, Any]], case: str, atol: float = 1e-5) -> 
             pytest.skip(f"{case} not run (schedule not registered)")
         for metric, value in res[case].items():
             assert value <= atol, f"rank {rank} case {case}: {metric} differs by {value}"
+
+
+def late_program(schedule: meshpipe.Schedule, rank: int) -> Any:
+    """A program that is not rendezvous-safe: before each action, the previous action's send
+    in a group of its own, then this action's receive in another."""
+    from meshpipe.schedule.comm import recv_of, send_of
+    from meshpipe.schedule.program import P2P
+
+    groups: list[Any] = []
+    positions: list[int] = []
+    row = schedule.actions[rank]
+    for i, a in enumerate(row):
+        s = send_of(schedule, row[i - 1]) if i else None
+        if s is not None:
+            groups.append((P2P("send", *s),))
+            positions.append(i)
+        r = recv_of(schedule, a)
+        if r is not None:
+            groups.append((P2P("recv", *r),))
+            positions.append(i)
+    last = send_of(schedule, row[-1])
+    if last is not None:
+        groups.append((P2P("send", *last),))
+        positions.append(len(row))
+    return tuple(groups), tuple(positions)

@@ -26,7 +26,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import D, OnCall, blocks, full_grad_diff, mse, refusal, registered
+from parity import (
+    D,
+    OnCall,
+    blocks,
+    full_grad_diff,
+    late_program,
+    mse,
+    refusal,
+    registered,
+)
 
 GRAD_ATOL = 1e-5  # gradients of every step (first step: ~3e-8)
 ATOL = 1e-5  # loss and grad norm
@@ -274,15 +283,70 @@ def _checkpoint_round_trip(path: str) -> dict[str, float]:
     }
 
 
+WIDE = 1024  # 1024 rows x 1024 fp32 = 4 MiB per microbatch, 2 MiB per dp part
+
+
+def _strict(name: str, num_stages: int) -> dict[str, float]:
+    """MESHPIPE_P2P_STRICT=1: each group of the expanded program waited for before the next
+    (the validator's model); gloo's large sends are rendezvous, so a program that is not
+    deadlock-free hangs here. [{"dp": 2}, {"tp": 1}, {"tp": 1}]: pieces of 2 MiB."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(WIDE, WIDE) for _ in range(num_stages)])
+    ref = copy.deepcopy(net)
+    meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 1}, {"tp": 1}])
+    os.environ["MESHPIPE_P2P_STRICT"] = "1"
+    try:
+        pipe = meshpipe.Pipeline(net, meshes, name, num_microbatches=3, loss_fn=mse, timeout=60)
+        x, y = torch.randn(3 * 1024, WIDE), torch.randn(3 * 1024, WIDE)
+        pipe.step(x, target=y)
+        pipe.zero_grad()
+        loss = pipe.step(x, target=y)  # the steady state: tensors as themselves
+    finally:
+        del os.environ["MESHPIPE_P2P_STRICT"]
+    expected = mse(ref(x), y)
+    expected.backward()
+    return {"loss": abs(loss.item() - expected.item()), "grad": full_grad_diff(pipe, ref)}
+
+
+def _negative_control() -> str:
+    """The strict 1f1b case with a program that is not rendezvous-safe (the runtime expands
+    it into pieces alike) hangs: the strict cases above can fail."""
+    import meshpipe.runtime.pipeline as pl
+
+    original = pl.program_positions
+    pl.program_positions = late_program  # type: ignore[assignment]
+    os.environ["MESHPIPE_P2P_STRICT"] = "1"
+    try:
+        net = nn.Sequential(*[nn.Linear(WIDE, WIDE) for _ in range(3)])
+        meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 1}, {"tp": 1}])
+        pipe = meshpipe.Pipeline(net, meshes, "1f1b", num_microbatches=3, loss_fn=mse, timeout=5)
+        x = torch.randn(3 * 1024, WIDE)
+        pipe.step(x, target=x)  # the first step sends values whole on ctrl
+        pipe.step(x, target=x)  # the second sends tensors on the data group
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return type(e).__name__
+    finally:
+        pl.program_positions = original
+        del os.environ["MESHPIPE_P2P_STRICT"]
+    return "none"
+
+
+STRICT = {"1f1b": 3, "interleaved_1f1b": 6, "zbv": 6}
+
+
 def _four(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for name, stages in STRICT.items():
+        if registered(name):
+            out[f"strict_{name}"] = {"worst": _strict(name, stages), "param": 0.0}
     for dp in ("ddp", None):
         meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 2}])
         out[f"dp2_tp2_{dp}"] = _adamw_case(meshes, "1f1b", dp=dp)
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 1}])
     out["fsdp_middle"] = _adamw_case(meshes, "1f1b", dp="fsdp", batch=12, num_microbatches=3)
     out["checkpoint"] = _checkpoint_round_trip(path)
-    dist.barrier()
+    # last: a timed-out wait makes gloo close the connections, so nothing runs after it
+    out["negative_control"] = _negative_control()
     return out
 
 
@@ -427,3 +491,18 @@ def test_a_failure_on_one_process_stops_every_process(three: list[dict[str, Any]
     for res in three[:2]:
         assert "boom on process 2" in res["failure"]["msg"], res["failure"]
         assert float(res["failure"]["seconds"]) < 20, res["failure"]  # not the 30 s timeout
+
+
+@pytest.mark.parametrize("name", list(STRICT))
+def test_strict_program_between_stage_meshes_completes(
+    four: tuple[list[dict[str, Any]], str], name: str
+) -> None:
+    _check(four[0], f"strict_{name}")
+
+
+def test_strict_mode_catches_a_program_that_is_not_rendezvous_safe(
+    four: tuple[list[dict[str, Any]], str],
+) -> None:
+    got = {r["negative_control"] for r in four[0]}
+    assert got <= {"CommTimeoutError", "RemoteStageError"}, got
+    assert "CommTimeoutError" in got

@@ -21,7 +21,7 @@ from torch import nn
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import blocks, check_case, grad_diff, mse
+from parity import blocks, check_case, grad_diff, late_program, mse
 
 WIDE = 1024  # 1024 rows x 1024 fp32 = 4 MiB per activation
 
@@ -96,38 +96,13 @@ def _data_dependent(mesh: Any) -> dict[str, str]:
     return {"kind": "none", "msg": ""}
 
 
-def _unbatched(schedule: meshpipe.Schedule, rank: int) -> Any:
-    """A program that is not rendezvous-safe: before each action, the previous action's send
-    in a group of its own, then this action's receive in another."""
-    from meshpipe.schedule.comm import recv_of, send_of
-    from meshpipe.schedule.program import P2P
-
-    groups: list[Any] = []
-    positions: list[int] = []
-    row = schedule.actions[rank]
-    for i, a in enumerate(row):
-        s = send_of(schedule, row[i - 1]) if i else None
-        if s is not None:
-            groups.append((P2P("send", *s),))
-            positions.append(i)
-        r = recv_of(schedule, a)
-        if r is not None:
-            groups.append((P2P("recv", *r),))
-            positions.append(i)
-    last = send_of(schedule, row[-1])
-    if last is not None:
-        groups.append((P2P("send", *last),))
-        positions.append(len(row))
-    return tuple(groups), tuple(positions)
-
-
 def _negative_control(mesh: Any) -> str:
     """The same 4 MiB 1f1b step with the unbatched program deadlocks in strict mode: the
     test above can fail."""
     import meshpipe.runtime.pipeline as pl
 
     original = pl.program_positions
-    pl.program_positions = _unbatched  # type: ignore[assignment]
+    pl.program_positions = late_program  # type: ignore[assignment]
     try:
         net = nn.Sequential(Wide(), Wide())
         pipe = meshpipe.Pipeline(net, mesh, "1f1b", num_microbatches=4, loss_fn=mse, timeout=5)

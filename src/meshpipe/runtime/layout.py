@@ -117,24 +117,31 @@ def _pieces(src: Grid, dst: Grid, rows: int) -> tuple[Piece, ...]:
     return tuple(out)
 
 
-def split_value(value: Any, pieces: Sequence[Piece], local_rows: int, where: str) -> list[Any]:
+def split_value(
+    value: Any, pieces: Sequence[Piece], local_rows: int, where: str, between_meshes: bool
+) -> list[Any]:
     """The part of ``value`` each piece carries (``pieces`` sent by one process). Tensor
-    leaves are cut on dim 0, which must be the rows; 0-dim leaves go whole to each."""
-    if len(pieces) == 1 and pieces[0].whole:
+    leaves are cut on dim 0, which must be the rows; 0-dim leaves go whole to each. Between
+    stage meshes no leaf may be a DTensor (its placements would be lost)."""
+    whole = len(pieces) == 1 and pieces[0].whole
+    if whole and not between_meshes:
         return [value]
     leaves, spec = flatten(value)
+    for i, t in enumerate(leaves):
+        if isinstance(t, DTensor):
+            raise PipelineError(
+                f"{where}: tensor leaf {i} is a DTensor (placements {t.placements}); between "
+                "stage meshes boundaries carry plain tensors: return local tensors from the "
+                "stage (use_local_output=True in the tp_plan, the styles' default)"
+            )
+    if whole:
+        return [value]
     for i, t in enumerate(leaves):
         if t.dim() > 0 and t.shape[0] != local_rows:
             raise PipelineError(
                 f"{where}: tensor leaf {i} has shape {tuple(t.shape)}, but this process holds "
                 f"{local_rows} rows of the microbatch; between stage meshes of different dp "
                 "sizes every boundary tensor must have the batch rows on dim 0 (or be 0-dim)"
-            )
-        if isinstance(t, DTensor):
-            raise PipelineError(
-                f"{where}: tensor leaf {i} is a {type(t).__name__}; between stage meshes "
-                "boundaries carry plain tensors (return local tensors from the stage, e.g. "
-                "use_local_output=True in the tp_plan)"
             )
     out = []
     for p in pieces:

@@ -360,7 +360,8 @@ class Comm:
         """Hand over an action's output; it is sent with the next group of the program."""
         pieces = self._transfer_pieces(transfer, send=True)
         rows = self._local_rows(transfer.mb)
-        for piece, part in zip(pieces, split_value(value, pieces, rows, str(transfer))):
+        parts = split_value(value, pieces, rows, str(transfer), self.layout.stage_meshes)
+        for piece, part in zip(pieces, parts, strict=True):
             self._outbox[(piece.dst, transfer)] = part
 
     def _local_rows(self, mb: int) -> int:
