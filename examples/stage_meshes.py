@@ -69,7 +69,7 @@ for step in range(30):
     pipe.clip_grad_norm_(1.0)
     opt.step()
     opt.zero_grad()
-    if rank == 0 and step % 10 == 0:
+    if rank == 0 and (step % 10 == 0 or step == 29):
         print(f"step {step:2d}  loss {loss.item():.3f}")
 
 stats = pipe.comm_stats()["boundary_bytes"]
