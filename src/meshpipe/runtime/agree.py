@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError
+from meshpipe.runtime.pytree import flatten
 from meshpipe.runtime.waits import wait_work
 from meshpipe.schedule.ir import Schedule
 
@@ -159,3 +160,23 @@ def _difference(texts: list[dict[str, str]]) -> str:
                 + (" and values (check_inputs='values')" if key == "values" else "")
             )
     return "the pp ranks' calls differ"
+
+
+def check_locally(args: tuple[Any, ...], target: Any, training: bool, has_loss: bool) -> None:
+    """The checks of a call that need no other rank (the same verdict everywhere, since
+    every rank makes the same call)."""
+    if training and (torch.is_inference_mode_enabled() or not torch.is_grad_enabled()):
+        raise PipelineError(
+            "step() was called under torch.no_grad() or torch.inference_mode(): it trains, "
+            "so it needs gradients; call it outside, or use forward() for inference"
+        )
+    if training and not has_loss:
+        raise PipelineError("step() needs a loss_fn: pass loss_fn= to Pipeline")
+    if target is not None:
+        leaves, _ = flatten(target)
+        if not leaves:
+            raise PipelineError(
+                f"target must be a tensor (or a pytree of tensors), got {type(target).__name__}"
+            )
+    if not args:
+        raise PipelineError("step()/forward() need at least one positional input")

@@ -25,7 +25,16 @@ from meshpipe.errors import PipelineError
 from meshpipe.runtime.pytree import flatten, unflatten
 from meshpipe.runtime.waits import wait_work
 
-__all__ = ["Layout", "Piece", "part_bounds", "split_value", "join_values", "gather_parts"]
+__all__ = [
+    "Layout",
+    "Piece",
+    "part_bounds",
+    "split_value",
+    "join_values",
+    "gather_parts",
+    "dtensors_to_full",
+    "full_to_dtensors",
+]
 
 Grid = tuple[tuple[int, ...], ...]  # [dp][tp] -> process index
 
@@ -122,20 +131,12 @@ def split_value(
 ) -> list[Any]:
     """The part of ``value`` each piece carries (``pieces`` sent by one process). Tensor
     leaves are cut on dim 0, which must be the rows; 0-dim leaves go whole to each. Between
-    stage meshes no leaf may be a DTensor (its placements would be lost)."""
-    whole = len(pieces) == 1 and pieces[0].whole
-    if whole and not between_meshes:
+    stage meshes DTensor leaves go as their full values, tagged with their placement."""
+    if between_meshes:
+        value = dtensors_to_full(value, where)
+    if len(pieces) == 1 and pieces[0].whole:
         return [value]
     leaves, spec = flatten(value)
-    for i, t in enumerate(leaves):
-        if isinstance(t, DTensor):
-            raise PipelineError(
-                f"{where}: tensor leaf {i} is a DTensor (placements {t.placements}); between "
-                "stage meshes boundaries carry plain tensors: return local tensors from the "
-                "stage (use_local_output=True in the tp_plan, the styles' default)"
-            )
-    if whole:
-        return [value]
     for i, t in enumerate(leaves):
         if t.dim() > 0 and t.shape[0] != local_rows:
             raise PipelineError(
@@ -172,11 +173,18 @@ def join_values(values: Sequence[Any], pieces: Sequence[Piece], summed: bool) ->
 
 
 def gather_parts(
-    value: Any, group: dist.ProcessGroup, bounds: Sequence[int], timeout: float
-) -> Any:
-    """The whole microbatch from the dp parts of a mesh's processes (collective over the dp
-    ``group``, this process's part ``value``; ``bounds`` as :func:`part_bounds`). Tensor
-    leaves are cut on dim 0; each is padded to the largest part for the all-gather."""
+    values: Sequence[Any], rows: Sequence[int], group: dist.ProcessGroup, timeout: float
+) -> list[Any]:
+    """Whole microbatches (of ``rows`` rows each) from this process's dp parts ``values``:
+    collective over the mesh's dp ``group``."""
+    parts = dist.get_world_size(group)
+    return [
+        _gather(v, group, part_bounds(r, parts), timeout) for v, r in zip(values, rows, strict=True)
+    ]
+
+
+def _gather(value: Any, group: dist.ProcessGroup, bounds: Sequence[int], timeout: float) -> Any:
+    """Tensor leaves are cut on dim 0; each is padded to the largest part for the gather."""
     leaves, spec = flatten(value)
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     most = max(sizes)
@@ -192,3 +200,81 @@ def gather_parts(
         wait_work(work, timeout, "gathering the last stage's outputs over dp")
         joined.append(torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]))
     return unflatten(joined, spec)
+
+
+# -- DTensor values between stage meshes ---------------------------------------------------
+# A DTensor leaf crosses as its full value tagged with its placement, ``{DT_KEY: "R" | "S<d>",
+# "t": full}`` (a dict the pytree layer carries as it is); the receiver rebuilds a DTensor
+# with that placement on its own tp mesh (a plain tensor when its mesh has tp = 1).
+DT_KEY = "__meshpipe_dtensor__"
+
+
+def _map(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        if DT_KEY in value:
+            return fn(value)
+        return {k: _map(v, fn) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    return value
+
+
+def dtensors_to_full(value: Any, where: str) -> Any:
+    """Sender side: each DTensor leaf as its full value and placement (collective over the
+    DTensor's mesh: every tp rank of the sending mesh puts the same value)."""
+
+    def full(t: Any) -> Any:
+        if not isinstance(t, DTensor):
+            return t
+        mesh = t.device_mesh
+        if mesh.ndim != 1:
+            raise PipelineError(
+                f"{where}: a DTensor on a {mesh.ndim}-d mesh {mesh.mesh_dim_names} crosses a "
+                "stage boundary; between stage meshes DTensor values must live on the tp mesh"
+            )
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        placement = t.placements[0]
+        if isinstance(placement, Partial):  # reduce now: the receiver gets the sum
+            t = t.redistribute(placements=[Replicate()])
+            placement = Replicate()
+        if isinstance(placement, Shard):
+            dim = placement.dim if placement.dim >= 0 else placement.dim + t.ndim
+            if dim == 0:
+                raise PipelineError(
+                    f"{where}: a DTensor sharded on dim 0 (the rows) crosses a stage boundary; "
+                    "between stage meshes dim 0 is the batch, cut by the meshes' dp"
+                )
+            tag = f"S{dim}"
+        else:
+            tag = "R"
+        with torch.no_grad():
+            whole = t.detach().full_tensor()
+        if t.requires_grad and whole.is_floating_point():
+            whole.requires_grad_(True)
+        return {DT_KEY: tag, "t": whole}
+
+    return _map(value, full)
+
+
+def full_to_dtensors(value: Any, tp_mesh: Any) -> Any:
+    """Receiver side: tagged full values back to DTensors on this mesh's tp axis (leaves of
+    the stage's input keep requires_grad), plain tensors where tp = 1."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def rebuild(x: Any) -> Any:
+        if not isinstance(x, dict):
+            return x
+        whole: torch.Tensor = x["t"]
+        if tp_mesh is None or tp_mesh.size() == 1:
+            return whole
+        tag = x[DT_KEY]
+        placement = Replicate() if tag == "R" else Shard(int(tag[1:]))
+        dt = distribute_tensor(whole.detach(), tp_mesh, [placement], src_data_rank=None)
+        if whole.requires_grad:
+            dt.requires_grad_(True)
+        return dt
+
+    return _map(value, rebuild)

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -39,13 +37,20 @@ import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.runtime import wire
-from meshpipe.runtime.layout import Layout, Piece, join_values, split_value
+from meshpipe.runtime.layout import (
+    Layout,
+    Piece,
+    full_to_dtensors,
+    join_values,
+    split_value,
+)
 from meshpipe.runtime.pytree import Spec, flatten, unflatten
+from meshpipe.runtime.reader import Reader
 from meshpipe.runtime.waits import Watchdog, translate, wait_work
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.program import P2P
 
-__all__ = ["Comm", "DescCache", "Desc", "Channels", "Reader"]
+__all__ = ["Comm", "DescCache", "Desc", "Channels"]
 
 log = logging.getLogger(__name__)
 
@@ -96,90 +101,6 @@ class _Recv:
     works: list[Any] = field(default_factory=list)
 
 
-class Reader:
-    """A thread reading one peer's ctrl messages in order, kept for the Pipeline's life: one
-    *epoch* per step, from the step's start to its terminator (end marker or error)."""
-
-    def __init__(self, rank: int, peer: int) -> None:
-        self.peer = peer
-        self.items: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self.error: RemoteStageError | None = None
-        self._comm: Comm | None = None
-        self._epochs = threading.Semaphore(0)
-        self._thread = threading.Thread(
-            target=self._run, daemon=True, name=f"meshpipe-ctrl-{rank}-from-{peer}"
-        )
-        self._thread.start()
-
-    def begin_epoch(self, comm: Comm) -> None:
-        """A step starts: read its messages (the previous epoch ended at its terminator)."""
-        self._comm = comm
-        self.error = None
-        self._epochs.release()
-
-    def _run(self) -> None:
-        while True:
-            self._epochs.acquire()
-            c = self._comm
-            if c is None or not self._read_epoch(c):
-                return  # the channel broke: no later step can use it
-
-    def _read_epoch(self, c: Comm) -> bool:
-        """Read up to the epoch's terminator; False when the channel failed."""
-        try:
-            while True:
-                header = c.ctrl_recv(self.peer, wire.HEADER_BYTES)
-                fields = wire.read_header(header)
-                if "e" in fields:
-                    self.items.put(("error", c.remote_error(fields)))
-                    return True
-                if "x" in fields:
-                    self.items.put(("end", None))
-                    return True
-                meta, got, value = wire.unpack(c.ctrl_recv(self.peer, int(fields["n"])))
-                self.items.put(("value", (got, value)))
-        except BaseException as e:  # handed to the main thread, which raises it
-            self.items.put(("failed", e))
-            return False
-
-    def next(self, deadline: float, what: str) -> tuple[str, Any]:
-        """The next message (blocking until ``deadline``); errors are raised."""
-        c = self._comm
-        if c is None:
-            raise PipelineError("internal: a ctrl reader was used outside a step")
-        try:
-            kind, item = self.items.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise CommTimeoutError(
-                f"rank {c.rank} waited {c.timeout:.1f}s for {what} from "
-                f"rank {self.peer}; that rank is stuck or gone",
-                rank=c.rank,
-                peer=self.peer,
-            ) from None
-        return self._check(kind, item)
-
-    def _check(self, kind: str, item: Any) -> tuple[str, Any]:
-        if kind == "error":
-            self.error = item
-            raise item
-        if kind == "failed":
-            if isinstance(item, RemoteStageError):
-                raise item
-            rank = self._comm.rank if self._comm is not None else "?"
-            raise RemoteStageError(
-                f"rank {rank}: the control channel with rank {self.peer} broke: {item}"
-            ) from item
-        return kind, item
-
-    def poll_error(self) -> RemoteStageError | None:
-        """An error the peer has already reported, without waiting (values stay queued)."""
-        with self.items.mutex:
-            for kind, item in self.items.queue:
-                if kind == "error":
-                    return item  # type: ignore[no-any-return]
-        return None
-
-
 class Comm:
     """This rank's transfers for one step, following its part of the p2p program.
 
@@ -205,6 +126,7 @@ class Comm:
         self.layout = layout if layout is not None else Layout.uniform(channels.global_ranks, rank)
         self.rows = rows  # rows of each microbatch (whole, before any dp cut)
         self._placement: Sequence[int] = ()
+        self.tp_mesh: Any = None  # stage meshes: DTensor values are rebuilt on this mesh
         self.timeout = timeout
         self.device = device
         self.cache = cache
@@ -376,7 +298,10 @@ class Comm:
         """The value of a receive posted earlier (``doing`` names the action, for errors)."""
         pieces = self._transfer_pieces(transfer, send=False)
         values = [self._take_piece(p.src, transfer, doing) for p in pieces]
-        return join_values(values, pieces, summed=transfer.kind == "grad")
+        value = join_values(values, pieces, summed=transfer.kind == "grad")
+        if self.layout.stage_meshes:
+            value = full_to_dtensors(value, self.tp_mesh)
+        return value
 
     def _take_piece(self, peer: int, transfer: Transfer, doing: str) -> Any:
         r = self._recvs.pop((peer, transfer))

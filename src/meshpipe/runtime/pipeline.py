@@ -17,11 +17,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.accumulate import Accumulator
-from meshpipe.runtime.agree import CHECKS, Agreement, fingerprint, schedule_digest
+from meshpipe.runtime.agree import (
+    CHECKS,
+    Agreement,
+    check_locally,
+    fingerprint,
+    schedule_digest,
+)
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
-from meshpipe.runtime.layout import gather_parts, part_bounds
+from meshpipe.runtime.layout import gather_parts
 from meshpipe.runtime.microbatch import (
     ChunkSpec,
     Microbatches,
@@ -32,8 +38,8 @@ from meshpipe.runtime.microbatch import (
     split_microbatches,
 )
 from meshpipe.runtime.modules import initial_mode, stage_modules
-from meshpipe.runtime.p2p import Channels, Comm, DescCache, Reader
-from meshpipe.runtime.pytree import flatten
+from meshpipe.runtime.p2p import Channels, Comm, DescCache
+from meshpipe.runtime.reader import Reader
 from meshpipe.runtime.recompute import Policy, apply_policy, check_policy
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.schedules import Schedules
@@ -331,30 +337,12 @@ class Pipeline:
         def gate() -> None:
             if agreement is not None:
                 agreement.check()
-            if training and (torch.is_inference_mode_enabled() or not torch.is_grad_enabled()):
-                raise PipelineError(
-                    "step() was called under torch.no_grad() or torch.inference_mode(): it "
-                    "trains, so it needs gradients; call it outside, or use forward() for "
-                    "inference"
-                )
-            self._check_batch(args, target, training)
+            check_locally(args, target, training, self.loss_fn is not None)
 
         if self._whole is not None and self._whole.pending:
             gate()  # the split is collective: agree before it
             return lambda: None
         return gate
-
-    def _check_batch(self, args: tuple[Any, ...], target: Any, training: bool) -> None:
-        if training and self.loss_fn is None:
-            raise PipelineError("step() needs a loss_fn: pass loss_fn= to Pipeline")
-        if target is not None:
-            leaves, _ = flatten(target)
-            if not leaves:
-                raise PipelineError(
-                    f"target must be a tensor (or a pytree of tensors), got {type(target).__name__}"
-                )
-        if not args:
-            raise PipelineError("step()/forward() need at least one positional input")
 
     def _comm(self, schedule: Schedule, signatures: list[Any], rows: list[int]) -> Comm:
         topo = self.topology
@@ -374,6 +362,7 @@ class Pipeline:
             topo.layout,
             rows,
         )
+        comm.tp_mesh = topo.tp_mesh
         comm.begin(*program, schedule.placement)
         return comm
 
@@ -563,11 +552,7 @@ class Pipeline:
         runner.keep_outputs = False
         topo = self.topology
         if topo.stage_meshes and topo.dp_group is not None:  # the whole batch's rows
-            rows = self._whole_rows
-            out = [
-                gather_parts(o, topo.dp_group, part_bounds(r, topo.dp_size), self.timeout)
-                for o, r in zip(out, rows, strict=True)
-            ]
+            out = gather_parts(out, self._whole_rows, topo.dp_group, self.timeout)
         return merge_outputs(out)
 
     def _reduce(

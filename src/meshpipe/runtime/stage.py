@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from meshpipe.errors import PipelineError
@@ -34,6 +35,7 @@ class _Saved:
     roots: list[Any] = field(default_factory=list)  # gradient edges of outputs (None: no grad)
     pending: WeightGrad | None = None
     seed: torch.Tensor | None = None  # last stage: d(loss)/d(loss)
+    layouts: list[Any] = field(default_factory=list)  # DTensor outputs: (mesh, placements)
 
 
 def as_stage_input(value: Any) -> Any:
@@ -133,6 +135,8 @@ class StageRunner:
         if not self.is_last:
             leaves, _ = flatten(out)
             saved.roots = [_edge_of(t) for t in leaves]
+            if any(isinstance(t, DTensor) for t in leaves):
+                saved.layouts = [_layout_of(t) for t in leaves]
             return out
         if self.keep_outputs:  # step(..., return_outputs=True)
             self.outputs[mb] = _detached(out)
@@ -182,6 +186,8 @@ class StageRunner:
                     f"stage {self.index} mb {mb}: received {len(gs)} gradients for "
                     f"{len(saved.roots)} outputs"
                 )
+        if saved.layouts:  # gradients of DTensor outputs in the outputs' own layouts
+            gs = [_as_layout(g, lay) for g, lay in zip(gs, saved.layouts, strict=True)]
         if split and not self.fused_backward:
             in_grads, saved.pending = backward_input(saved.roots, gs, saved.inputs)
         else:
@@ -205,6 +211,21 @@ class StageRunner:
 def _detached(value: Any) -> Any:
     leaves, spec = flatten(value)
     return unflatten([t.detach() for t in leaves], spec)
+
+
+def _layout_of(t: torch.Tensor) -> Any:
+    return (t.device_mesh, t.placements) if isinstance(t, DTensor) else None
+
+
+def _as_layout(g: torch.Tensor | None, layout: Any) -> torch.Tensor | None:
+    """A received gradient (a plain full tensor, or a DTensor placed otherwise) in the
+    layout of the DTensor output it belongs to (stage meshes move gradients whole)."""
+    if g is None or layout is None:
+        return g
+    mesh, placements = layout
+    if isinstance(g, DTensor):
+        return g if g.placements == placements else g.redistribute(mesh, placements)
+    return distribute_tensor(g, mesh, placements, src_data_rank=None)
 
 
 def _edge_of(t: torch.Tensor) -> Any:
