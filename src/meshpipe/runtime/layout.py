@@ -29,7 +29,7 @@ __all__ = [
     "Layout",
     "Piece",
     "part_bounds",
-    "split_value",
+    "between_meshes",
     "join_values",
     "gather_parts",
     "dtensors_to_full",
@@ -85,6 +85,7 @@ class Layout:
                 for t, proc in enumerate(row):
                     where[proc] = (pp, d, t)
         object.__setattr__(self, "_where", where)
+        object.__setattr__(self, "_mine", {})
 
     def place(self, proc: int) -> tuple[int, int, int]:
         """(pp rank, dp coordinate, tp coordinate) of a process index."""
@@ -102,6 +103,17 @@ class Layout:
         """Every piece of a value of ``rows`` rows sent from pp rank ``src_pp``'s mesh to
         ``dst_pp``'s (receivers in order, each one's pieces in row order)."""
         return _pieces(self.grids[src_pp], self.grids[dst_pp], rows)
+
+    def mine(self, send: bool, src_pp: int, dst_pp: int, rows: int) -> tuple[Piece, ...]:
+        """The pieces this process sends (``send``) or receives, memoised."""
+        key = (send, src_pp, dst_pp, rows)
+        cache: dict[tuple[bool, int, int, int], tuple[Piece, ...]] = self._mine  # type: ignore[attr-defined]
+        got = cache.get(key)
+        if got is None:
+            every = self.pieces(src_pp, dst_pp, rows)
+            got = tuple(p for p in every if (p.src if send else p.dst) == self.me)
+            cache[key] = got
+        return got
 
     def min_rows(self) -> int:
         """The fewest rows a microbatch may have: one per dp part of every mesh."""
@@ -126,16 +138,17 @@ def _pieces(src: Grid, dst: Grid, rows: int) -> tuple[Piece, ...]:
     return tuple(out)
 
 
-def split_value(
-    value: Any, pieces: Sequence[Piece], local_rows: int, where: str, between_meshes: bool
-) -> list[Any]:
-    """The part of ``value`` each piece carries (``pieces`` sent by one process). Tensor
-    leaves are cut on dim 0, which must be the rows; 0-dim leaves go whole to each. Between
-    stage meshes DTensor leaves go as their full values, tagged with their placement."""
-    if between_meshes:
-        value = dtensors_to_full(value, where)
+def between_meshes(
+    value: Any, pieces: Sequence[Piece], local_rows: int, where: object, dtensors: bool
+) -> list[tuple[Piece, Any]]:
+    """Each piece (sent by this process) with the part of ``value`` it carries. Tensor
+    leaves are cut on dim 0, which must be the rows; 0-dim leaves go whole to each. With
+    ``dtensors`` (a tp mesh sends) DTensor leaves go as full values tagged with their
+    placement."""
+    if dtensors:
+        value = dtensors_to_full(value, str(where))
     if len(pieces) == 1 and pieces[0].whole:
-        return [value]
+        return [(pieces[0], value)]
     leaves, spec = flatten(value)
     for i, t in enumerate(leaves):
         if t.dim() > 0 and t.shape[0] != local_rows:
@@ -147,12 +160,12 @@ def split_value(
     out = []
     for p in pieces:
         cut = [t if t.dim() == 0 else t[p.src_lo : p.src_lo + p.rows] for t in leaves]
-        out.append(unflatten(cut, spec))
+        out.append((p, unflatten(cut, spec)))
     return out
 
 
 def join_values(values: Sequence[Any], pieces: Sequence[Piece], summed: bool) -> Any:
-    """The inverse of :func:`split_value` on the receiving side (pieces in row order).
+    """The inverse of :func:`between_meshes` on the receiving side (pieces in row order).
     0-dim leaves went to every part whole: a value takes the first piece's, a gradient
     (``summed``) the sum over the parts."""
     if len(pieces) == 1 and pieces[0].whole:

@@ -40,9 +40,9 @@ from meshpipe.runtime import wire
 from meshpipe.runtime.layout import (
     Layout,
     Piece,
+    between_meshes,
     full_to_dtensors,
     join_values,
-    split_value,
 )
 from meshpipe.runtime.pytree import Spec, flatten, unflatten
 from meshpipe.runtime.reader import Reader
@@ -127,6 +127,8 @@ class Comm:
         self.rows = rows  # rows of each microbatch (whole, before any dp cut)
         self._placement: Sequence[int] = ()
         self.tp_mesh: Any = None  # stage meshes: DTensor values are rebuilt on this mesh
+        self._pp, self._d, _t = self.layout.place(self.layout.me)
+        self._dp, self._tp = self.layout.shape(self._pp)
         self.timeout = timeout
         self.device = device
         self.cache = cache
@@ -265,41 +267,41 @@ class Comm:
             self._recvs[(r.peer, r.transfer)] = r
         self.posted.append(group)
 
-    def _pieces(self, op: P2P, pp: int) -> list[Piece]:
+    def _pieces(self, op: P2P, pp: int) -> tuple[Piece, ...]:
         """The pieces of a pp-rank operation that this process sends or receives."""
-        t = op.transfer
-        rows = self.rows[t.mb] if self.rows else 0
+        rows = self._rows(op.transfer)
         if op.op == "send":
-            return [p for p in self.layout.pieces(pp, op.peer, rows) if p.src == self.rank]
-        return [p for p in self.layout.pieces(op.peer, pp, rows) if p.dst == self.rank]
-
-    def _transfer_pieces(self, transfer: Transfer, send: bool) -> list[Piece]:
-        place = self._placement
-        peer = place[transfer.dst_stage] if send else place[transfer.src_stage]
-        return self._pieces(P2P("send" if send else "recv", peer, transfer), self.layout.pp_rank)
+            return self.layout.mine(True, pp, op.peer, rows)
+        return self.layout.mine(False, op.peer, pp, rows)
 
     def put(self, transfer: Transfer, value: Any) -> None:
         """Hand over an action's output; it is sent with the next group of the program."""
-        pieces = self._transfer_pieces(transfer, send=True)
+        dst = self._placement[transfer.dst_stage]
+        pieces = self.layout.mine(True, self._pp, dst, self._rows(transfer))
+        if not self.layout.stage_meshes:  # one process per pp rank: whole, to the one peer
+            self._outbox[(pieces[0].dst, transfer)] = value
+            return
         rows = self._local_rows(transfer.mb)
-        parts = split_value(value, pieces, rows, str(transfer), self.layout.stage_meshes)
-        for piece, part in zip(pieces, parts, strict=True):
+        for piece, part in between_meshes(value, pieces, rows, transfer, self._tp > 1):
             self._outbox[(piece.dst, transfer)] = part
 
+    def _rows(self, transfer: Transfer) -> int:
+        return self.rows[transfer.mb] if self.rows else 0
+
     def _local_rows(self, mb: int) -> int:
-        if not self.rows:
-            return 0
-        _pp, d, _t = self.layout.place(self.rank)
-        dp = self.layout.shape(self.layout.pp_rank)[0]
         total = self.rows[mb]
-        return total // dp + (1 if d < total % dp else 0)
+        return total // self._dp + (1 if self._d < total % self._dp else 0)
 
     def take(self, transfer: Transfer, doing: str) -> Any:
         """The value of a receive posted earlier (``doing`` names the action, for errors)."""
-        pieces = self._transfer_pieces(transfer, send=False)
+        lay = self.layout
+        src = self._placement[transfer.src_stage]
+        pieces = lay.mine(False, src, self._pp, self._rows(transfer))
+        if not lay.stage_meshes:
+            return self._take_piece(pieces[0].src, transfer, doing)
         values = [self._take_piece(p.src, transfer, doing) for p in pieces]
         value = join_values(values, pieces, summed=transfer.kind == "grad")
-        if self.layout.stage_meshes:
+        if lay.shape(src)[1] > 1:  # only a tp mesh sends DTensor values
             value = full_to_dtensors(value, self.tp_mesh)
         return value
 
