@@ -262,6 +262,43 @@ def _dtensor_case(shapes: list[dict[str, int]]) -> dict[str, Any]:
     return {"worst": worst, "param": 0.0, "inputs": sorted(set(seen))}
 
 
+def _eval_case() -> dict[str, float]:
+    """eval_step with a metric on [{"tp": 1}, {"dp": 2}], 13 rows (uneven parts)."""
+    torch.manual_seed(4)
+    net = blocks(4)
+    ref = copy.deepcopy(net).eval()
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
+    pipe = meshpipe.Pipeline(net, meshes, "1f1b", 3, mse, timeout=60)
+    x, y = torch.randn(13, D), torch.randn(13, D)
+
+    def mae(out: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"mae": (out - target).abs().mean()}
+
+    loss, metrics = pipe.eval_step(x, target=y, metrics_fn=mae)
+    with torch.no_grad():
+        out = ref(x)
+    return {
+        "loss": abs(loss.item() - mse(out, y).item()),
+        "mae": abs(metrics["mae"].item() - (out - y).abs().mean().item()),
+        "no_grads": float(any(p.grad is not None for p in pipe.parameters())),
+    }
+
+
+def _no_sync_case(dp: str) -> dict[str, Any]:
+    """Two halves, the first under no_sync, grad_scale 0.5 each == the whole batch."""
+    torch.manual_seed(6)
+    net = blocks(8)
+    ref = copy.deepcopy(net)
+    meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 2}])
+    pipe = meshpipe.Pipeline(net, meshes, "1f1b", 2, mse, dp=dp, tp_plan=TP_PLAN, timeout=60)
+    x, y = torch.randn(16, D), torch.randn(16, D)
+    with pipe.no_sync():
+        pipe.step(x[:8], target=y[:8], grad_scale=0.5)
+    pipe.step(x[8:], target=y[8:], grad_scale=0.5)
+    mse(ref(x), y).backward()
+    return {"worst": {"grad": full_grad_diff(pipe, ref)}, "param": 0.0}
+
+
 def _three() -> dict[str, Any]:
     out: dict[str, Any] = {
         "tp1_tp2": _adamw_case(meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b")
@@ -271,6 +308,7 @@ def _three() -> dict[str, Any]:
         out["zbv_dp2_tp1_uneven"] = _adamw_case(meshes, "zbv", batch=13)
     out["errors"] = _errors()
     out["dtensor_tp2_tp1"] = _dtensor_case([{"tp": 2}, {"tp": 1}])
+    out["eval"] = _eval_case()
     out["pytrees_and_shapes"] = _pytrees_and_shapes()
     out["failure"] = _failure()
     try:
@@ -382,6 +420,8 @@ def _four(path: str) -> dict[str, Any]:
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 1}])
     out["fsdp_middle"] = _adamw_case(meshes, "1f1b", dp="fsdp", batch=12, num_microbatches=3)
     out["dtensor_tp2_tp2"] = _dtensor_case([{"tp": 2}, {"tp": 2}])
+    out["no_sync_ddp"] = _no_sync_case("ddp")
+    out["no_sync_fsdp"] = _no_sync_case("fsdp")
     out["dtensor_tp2_dp2"] = _dtensor_case([{"tp": 2}, {"dp": 2}])
     out["checkpoint"] = _checkpoint_round_trip(path)
     # last: a timed-out wait makes gloo close the connections, so nothing runs after it
@@ -564,3 +604,16 @@ def test_dtensor_values_keep_their_placement_on_the_next_mesh(
     # the second mesh's processes (global ranks 2.. here) saw the value as expected
     seen = {s for r in results[2:] for s in r[case]["inputs"]}
     assert seen == {received}, seen
+
+
+def test_eval_step_with_a_metric(three: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(three):
+        e = res["eval"]
+        assert e["loss"] <= ATOL and e["mae"] <= ATOL and e["no_grads"] == 0.0, (rank, e)
+
+
+@pytest.mark.parametrize("case", ["no_sync_ddp", "no_sync_fsdp"])
+def test_no_sync_halves_equal_the_whole_batch(
+    four: tuple[list[dict[str, Any]], str], case: str
+) -> None:
+    _check(four[0], case)
