@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"timing": {}, "bytes": {}}
     timing = run_on_ranks(_timing, 2, args.reps, timeout=1800)[0]
     print("## Time: one transfer layer (2 processes, medians of max-over-ranks)\n")
-    print("| case | uniform mesh | stage meshes, same shape | torch | stage/uniform | stage/torch |")
+    print(
+        "| case | uniform mesh | stage meshes, same shape | torch | stage/uniform | stage/torch |"
+    )
     print("|---|---|---|---|---|---|")
     for case, times in timing.items():
         med = {k: statistics.median(v) for k, v in times.items()}

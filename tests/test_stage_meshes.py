@@ -332,6 +332,7 @@ def _checkpoint_round_trip(path: str) -> dict[str, float]:
     opt.zero_grad()
     first = os.path.join(path, "from_stage_meshes")
     meshpipe.checkpoint.save(pipe, first, optimizer=opt, extra={"step": 1})
+    meshpipe.checkpoint.export(pipe, os.path.join(path, "model.safetensors"))
     loss_stage = pipe.step(x, target=y).item()
     # into a uniform mesh (other schedule and stage count), and one more step there
     uniform = meshpipe.Pipeline(blocks(8), meshpipe.init_mesh(pp=2, dp=2), "interleaved_1f1b",
@@ -617,3 +618,18 @@ def test_no_sync_halves_equal_the_whole_batch(
     four: tuple[list[dict[str, Any]], str], case: str
 ) -> None:
     _check(four[0], case)
+
+
+def test_export_from_stage_meshes_is_the_unsplit_model(
+    four: tuple[list[dict[str, Any]], str],
+) -> None:
+    from safetensors.torch import load_file
+
+    results, path = four
+    module = blocks(8, seed=99)
+    module.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
+    torch.manual_seed(5)
+    x, y = torch.randn(8, D), torch.randn(8, D)
+    with torch.no_grad():
+        loss = mse(module(x), y).item()
+    assert abs(loss - results[0]["checkpoint"]["loss"]) <= ATOL
