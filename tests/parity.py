@@ -201,3 +201,44 @@ def late_program(schedule: meshpipe.Schedule, rank: int) -> Any:
         groups.append((P2P("send", *last),))
         positions.append(len(row))
     return tuple(groups), tuple(positions)
+
+
+class Scale(nn.Module):
+    """x * weight on wide rows: big activations for almost no compute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+BIG = 1 << 18  # a row of 2**18 fp32 is 1 MiB
+
+
+def deadlock_control(mesh: Any, num_stages: int, num_microbatches: int, rows: int) -> str:
+    """A step whose program is not rendezvous-safe (:func:`late_program`), in strict mode
+    (each group waited for before the next), with ``rows`` MiB per microbatch: it must hang
+    (CommTimeoutError after 5 s, RemoteStageError on ranks told of it). Returns the error's
+    type and the start of its message. A timed-out wait makes gloo close the connections,
+    so run it last in a spawn."""
+    import os
+
+    import meshpipe.runtime.pipeline as pl
+
+    original = pl.program_positions
+    pl.program_positions = late_program  # type: ignore[assignment]
+    os.environ["MESHPIPE_P2P_STRICT"] = "1"
+    try:
+        net = nn.Sequential(*[Scale(BIG) for _ in range(num_stages)])
+        pipe = meshpipe.Pipeline(net, mesh, "1f1b", num_microbatches, mse, timeout=5)
+        x = torch.randn(num_microbatches * rows, BIG)
+        pipe.step(x, target=x)  # the first step sends values whole on ctrl
+        pipe.step(x, target=x)  # the second sends tensors on the data group
+    except Exception as e:  # noqa: BLE001 - the caller inspects what was raised
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        pl.program_positions = original
+        del os.environ["MESHPIPE_P2P_STRICT"]
+    return "none"

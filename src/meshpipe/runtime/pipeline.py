@@ -528,7 +528,7 @@ class Pipeline:
         last = self._runners.get(infer.num_stages - 1)
         records, metrics = eval_records(last, self._last_mbs, metrics_fn, self.topology.device)
         topo = self.topology
-        src = topo.first_process(infer.placement[-1])
+        src = topo.pp_global_ranks[infer.placement[-1]]
         loss, _ = reduce_loss(
             records, self._contributes, src, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self._watchdog, stage_meshes=topo.stage_meshes,
@@ -563,7 +563,7 @@ class Pipeline:
         factor = self._spmd.finish_step(self.timeout)
         topo = self.topology
         loss, scale = reduce_loss(
-            losses, self._contributes, topo.first_process(sched.placement[-1]),
+            losses, self._contributes, topo.pp_global_ranks[sched.placement[-1]],
             topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self._watchdog, stage_meshes=topo.stage_meshes,
         )  # fmt: skip

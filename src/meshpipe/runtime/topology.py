@@ -84,7 +84,7 @@ class Topology:
     pp_rank: int
     pp_size: int
     pp_group: dist.ProcessGroup
-    pp_global_ranks: tuple[int, ...]
+    pp_global_ranks: tuple[int, ...]  # global rank per pp rank (stage meshes: its first)
     dp_group: dist.ProcessGroup | None
     dp_size: int
     dp_mesh: DeviceMesh | None
@@ -98,10 +98,6 @@ class Topology:
     @property
     def stage_meshes(self) -> bool:
         return self.layout.stage_meshes
-
-    def first_process(self, pp_rank: int) -> int:
-        """Global rank of the first process of pp rank ``pp_rank`` (its dp 0, tp 0)."""
-        return self.layout.ranks[self.layout.grids[pp_rank][0][0]]
 
     @classmethod
     def from_mesh(
