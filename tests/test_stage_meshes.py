@@ -108,6 +108,22 @@ def _errors() -> dict[str, str]:
             blocks(2), meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b", 2, mse
         )  # fmt: skip
     )
+    # a layer tp cannot split is fine on a tp=1 mesh, refused (everywhere) on a tp=2 one
+    odd = [nn.Sequential(nn.Linear(D, 15), nn.Linear(15, D)), nn.Linear(D, D)]
+    plan = {"0": ColwiseParallel()}
+    out["odd_on_tp2"] = refusal(
+        lambda: meshpipe.Pipeline(
+            copy.deepcopy(odd),
+            meshpipe.init_stage_meshes([{"tp": 2}, {"tp": 1}]),
+            "1f1b",
+            2,
+            mse,
+            tp_plan=plan,
+        )  # fmt: skip
+    )
+    fine = meshpipe.Pipeline(odd, meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b",
+                             2, mse, tp_plan=plan, timeout=30)  # fmt: skip
+    out["odd_on_tp1"] = str(fine.step(torch.randn(4, D), target=torch.randn(4, D)).item())
     pipe = meshpipe.Pipeline(blocks(2), meshes, "1f1b", 2, mse, timeout=30)
     # 3 rows in 2 microbatches: the second has 1 row, which the dp=2 mesh cannot cut
     out["few_rows"] = refusal(lambda: pipe.step(torch.randn(3, D), target=torch.randn(3, D)))
@@ -476,6 +492,8 @@ def test_errors_are_the_same_on_every_process(three: list[dict[str, Any]]) -> No
     assert "no tp_plan" in e["no_plan"], e
     assert "microbatch 1 has 1 rows" in e["few_rows"] and "dp=2" in e["few_rows"], e
     assert float(e["after"]) > 0
+    assert "out_features=15" in e["odd_on_tp2"] and "tp size 2" in e["odd_on_tp2"], e
+    assert float(e["odd_on_tp1"]) > 0
 
 
 def test_checkpoint_moves_between_stage_meshes_and_uniform_meshes(

@@ -52,9 +52,13 @@ def _sharded_width(module: nn.Module, style: ParallelStyle) -> tuple[str, int] |
 
 
 def check_tp_plan(
-    stages: Sequence[nn.Module], tp_plan: Mapping[str, ParallelStyle], tp_size: int
+    stages: Sequence[nn.Module],
+    tp_plan: Mapping[str, ParallelStyle],
+    tp_size: int,
+    applies: Sequence[bool] | None = None,
 ) -> None:
-    """Every pattern must match a module of some stage; every split width must divide by tp."""
+    """Every pattern must match a module of some stage; on the stages the plan ``applies``
+    to (default: all), every split layer must be Linear/Embedding of a width tp divides."""
     if not isinstance(tp_plan, Mapping):
         raise PipelineError(f"tp_plan must be a dict of pattern -> ParallelStyle, got {tp_plan!r}")
     for pattern, style in tp_plan.items():
@@ -63,9 +67,11 @@ def check_tp_plan(
                 f"tp_plan[{pattern!r}] is {style!r}, not a ParallelStyle such as ColwiseParallel()"
             )
     matched: set[str] = set()
-    for stage in stages:
+    for i, stage in enumerate(stages):
         for name, style in resolve_plan(stage, tp_plan).items():
             matched.update(p for p in tp_plan if fnmatchcase(name, p))
+            if applies is not None and not applies[i]:
+                continue
             module = stage.get_submodule(name)
             if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(
                 module, (nn.Linear, nn.Embedding)

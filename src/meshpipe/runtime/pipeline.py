@@ -167,7 +167,7 @@ class Pipeline:
 
     # -- construction helpers ----------------------------------------------------------
     def _build_runners(self, modules: list[nn.Module]) -> None:
-        self._spmd.check(modules)
+        self._spmd.check(modules, self.schedule.placement)
         sched, topo = self.schedule, self.topology
         for s in sched.stages_of(topo.pp_rank):
             module = self._spmd.wrap(s, modules[s].to(topo.device))

@@ -69,10 +69,17 @@ class Spmd:
         # FSDP2: reshard a stage whose next action is at least this many actions away
         self.reshard_gap = reshard_gap
 
-    def check(self, all_stages: Sequence[nn.Module]) -> None:
-        """Checks that need every stage (same on every rank, before any communication)."""
+    def check(self, all_stages: Sequence[nn.Module], placement: Sequence[int]) -> None:
+        """Checks that need every stage (same on every rank, before any communication): the
+        tp plan against the stages it applies to (stage meshes: those on meshes of each tp
+        size)."""
+        lay = self.topo.layout
         for tp in self._tp_sizes:
-            check_tp_plan(all_stages, self._plan_to_check, tp)  # type: ignore[arg-type]
+            applies = [
+                not lay.stage_meshes or lay.shape(placement[s])[1] == tp
+                for s in range(len(all_stages))
+            ]
+            check_tp_plan(all_stages, self._plan_to_check, tp, applies)  # type: ignore[arg-type]
 
     def wrap(self, stage: int, module: nn.Module) -> nn.Module:
         """Apply TP, then FSDP2 or replica sync, to one local stage module."""
