@@ -529,12 +529,15 @@ def _five(path: str) -> dict[str, Any]:
         out["interleaved"] = _adamw_case(
             meshes, "interleaved_1f1b", dp="ddp", batch=12, num_microbatches=6, layers=6
         )
+    # a 2-d stage mesh: FSDP2 over dp and TP over tp on the same stage
+    two_d = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2, "tp": 2}])
+    out["fsdp_tp_2d"] = _adamw_case(two_d, "1f1b", dp="fsdp", batch=12)
     return out
 
 
 def test_five_processes_tp1_dp2_tp2(tmp_path: Any) -> None:
     results = run_on_ranks(_five, 5, str(tmp_path), timeout=400)
-    for case in ("1f1b", "interleaved"):
+    for case in ("1f1b", "interleaved", "fsdp_tp_2d"):
         _check(results, case)
     # the trace has a row per process, named with its mesh coordinates
     trace = json.loads((tmp_path / "trace.json").read_text())
