@@ -130,6 +130,34 @@ def large(device: str, rows: int = 4096, width: int = 4096) -> dict[str, float]:
     return out
 
 
+def stage_meshes(device: str) -> dict[str, dict[str, float]]:
+    """Stage meshes [{"tp": 1}, {"dp": 2}] (3 processes): 1f1b and zbv, one step against one
+    process on the whole batch, with the loss on the device; forward's whole batch."""
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}], device_type=device)
+    dev = _dev(meshes[0])
+    out: dict[str, dict[str, float]] = {}
+    for name in ("1f1b", "zbv"):
+        net = blocks(8)
+        ref = copy.deepcopy(net).to(dev)
+        torch.manual_seed(1)
+        x, y = torch.randn(13, 16, device=dev), torch.randn(13, 16, device=dev)
+        pipe = meshpipe.Pipeline(net, meshes, name, num_microbatches=4, loss_fn=mse)
+        loss = pipe.step(x, target=y)
+        expected = mse(ref(x), y)
+        expected.backward()
+        res = {
+            "loss": abs(loss.item() - expected.item()),
+            "grad": grad_diff(pipe, ref),
+            "loss_on_device": float(loss.device.type != dev.type),
+        }
+        out_ = pipe.forward(x)
+        if out_ is not None:
+            with torch.no_grad():
+                res["forward"] = (out_ - ref(x)).abs().max().item()
+        out[name] = res
+    return out
+
+
 def _dry_run() -> None:
     """The GPU cases on CPU over gloo, small: checks their logic, not the GPU."""
     from meshpipe.testing import run_on_ranks
@@ -139,6 +167,7 @@ def _dry_run() -> None:
     print("fsdp", run_on_ranks(fsdp_parity, 4, "cpu", True, timeout=300)[0])
     print("syncs", run_on_ranks(host_syncs, 2, "cpu", timeout=300)[0])
     print("large", run_on_ranks(large, 2, "cpu", 256, 256, timeout=300)[0])
+    print("stage meshes", run_on_ranks(stage_meshes, 3, "cpu", timeout=300))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 from meshpipe.testing import run_on_ranks
 
-from gpu_cases import fsdp_parity, host_syncs, large, parity_all
+from gpu_cases import fsdp_parity, host_syncs, large, parity_all, stage_meshes
 from parity import SCHEDULES
 
 ATOL = 1e-5  # fp32; TF32 off by default for matmuls in torch
@@ -47,3 +47,11 @@ def test_64mib_activations_complete() -> None:
     results = run_on_ranks(large, 2, "cuda", timeout=400, device="cuda")
     for rank, res in enumerate(results):
         assert res == {"1f1b": 1.0, "interleaved_1f1b": 1.0, "zbv": 1.0}, f"rank {rank}: {res}"
+
+
+def test_stage_meshes_match_one_process() -> None:
+    results = run_on_ranks(stage_meshes, 3, "cuda", timeout=300, device="cuda")
+    for rank, res in enumerate(results):
+        for name, figures in res.items():
+            for metric, value in figures.items():
+                assert value <= ATOL, f"rank {rank} {name} {metric}: {value}"
