@@ -242,3 +242,43 @@ def deadlock_control(mesh: Any, num_stages: int, num_microbatches: int, rows: in
         pl.program_positions = original
         del os.environ["MESHPIPE_P2P_STRICT"]
     return "none"
+
+
+_SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def host_reads(mesh: Any, name: str) -> list[str]:
+    """Calls that would make the host wait for a GPU, during a steady-state step (the
+    third), with where they came from. On CPU they cost nothing, so count them instead."""
+    import threading
+    import traceback
+
+    net = blocks(8)
+    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    for _ in range(2):
+        pipe.step(x, target=y)
+    seen: list[str] = []
+    originals = {m: getattr(torch.Tensor, m) for m in _SYNCING}
+
+    def counting(method: str) -> Any:
+        def wrapper(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                # the ctrl reader thread reads CPU-side messages: never a device wait
+                return originals[method](self, *a, **k)
+            frames = [f for f in traceback.extract_stack()[:-1] if "meshpipe" in f.filename]
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "outside"
+            seen.append(f"{method} at {where}")
+            return originals[method](self, *a, **k)
+
+        return wrapper
+
+    for m in _SYNCING:
+        setattr(torch.Tensor, m, counting(m))
+    try:
+        loss = pipe.step(x, target=y)
+    finally:
+        for m, f in originals.items():
+            setattr(torch.Tensor, m, f)
+    assert loss.dim() == 0
+    return seen

@@ -32,6 +32,7 @@ from parity import (
     blocks,
     deadlock_control,
     full_grad_diff,
+    host_reads,
     mse,
     refusal,
     registered,
@@ -325,6 +326,8 @@ def _three() -> dict[str, Any]:
     out["errors"] = _errors()
     out["dtensor_tp2_tp1"] = _dtensor_case([{"tp": 2}, {"tp": 1}])
     out["eval"] = _eval_case()
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
+    out["host_reads"] = {name: host_reads(meshes, name) for name in ("1f1b", "zbv")}
     out["pytrees_and_shapes"] = _pytrees_and_shapes()
     out["failure"] = _failure()
     try:
@@ -639,3 +642,9 @@ def test_export_from_stage_meshes_is_the_unsplit_model(
     with torch.no_grad():
         loss = mse(module(x), y).item()
     assert abs(loss - results[0]["checkpoint"]["loss"]) <= ATOL
+
+
+def test_steady_state_step_reads_nothing_on_the_host(three: list[dict[str, Any]]) -> None:
+    """The piece layer adds no host reads (what would make a GPU step wait on the host)."""
+    for rank, res in enumerate(three):
+        assert res["host_reads"] == {"1f1b": [], "zbv": []}, (rank, res["host_reads"])

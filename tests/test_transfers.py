@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import threading
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from torch import nn
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import blocks, check_case, deadlock_control, grad_diff, mse
+from parity import blocks, check_case, deadlock_control, grad_diff, host_reads, mse
 
 WIDE = 1024  # 1024 rows x 1024 fp32 = 4 MiB per activation
 
@@ -102,45 +101,6 @@ def _negative_control(mesh: Any) -> str:
     return deadlock_control(mesh, num_stages=2, num_microbatches=4, rows=16)
 
 
-_SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-
-
-def _host_reads(mesh: Any, name: str) -> list[str]:
-    """Calls that would make the host wait for a GPU, during a steady-state step (the
-    third), with where they came from. On CPU they cost nothing, so count them instead."""
-    import traceback
-
-    net = blocks(8)
-    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
-    for _ in range(2):
-        pipe.step(x, target=y)
-    seen: list[str] = []
-    originals = {m: getattr(torch.Tensor, m) for m in _SYNCING}
-
-    def counting(method: str) -> Any:
-        def wrapper(self: torch.Tensor, *a: Any, **k: Any) -> Any:
-            if threading.current_thread() is not threading.main_thread():
-                # the ctrl reader thread reads CPU-side messages: never a device wait
-                return originals[method](self, *a, **k)
-            frames = [f for f in traceback.extract_stack()[:-1] if "meshpipe" in f.filename]
-            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "outside"
-            seen.append(f"{method} at {where}")
-            return originals[method](self, *a, **k)
-
-        return wrapper
-
-    for m in _SYNCING:
-        setattr(torch.Tensor, m, counting(m))
-    try:
-        loss = pipe.step(x, target=y)
-    finally:
-        for m, f in originals.items():
-            setattr(torch.Tensor, m, f)
-    assert loss.dim() == 0
-    return seen
-
-
 def _pending_sends(mesh: Any) -> dict[str, float]:
     """gpipe with 40 microbatches: rank 0 sends 40 activations before its first receive;
     at most 16 (+ the group being posted) stay pending, so sent buffers are freed early."""
@@ -165,7 +125,7 @@ def _all(_: None = None) -> dict[str, Any]:
     out["data_dependent"] = _data_dependent(mesh)
     out["pending"] = _pending_sends(mesh)
     for name in ("1f1b", "zbv"):
-        out[f"host-{name}"] = _host_reads(mesh, name)
+        out[f"host-{name}"] = host_reads(mesh, name)
     # last: a timed-out wait makes gloo close the connection, so nothing runs after it
     os.environ["MESHPIPE_P2P_STRICT"] = "1"
     out["negative_control"] = _negative_control(mesh)
