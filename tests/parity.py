@@ -247,14 +247,14 @@ def deadlock_control(mesh: Any, num_stages: int, num_microbatches: int, rows: in
 _SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
-def host_reads(mesh: Any, name: str) -> list[str]:
+def host_reads(mesh: Any, name: str, **options: Any) -> list[str]:
     """Calls that would make the host wait for a GPU, during a steady-state step (the
     third), with where they came from. On CPU they cost nothing, so count them instead."""
     import threading
     import traceback
 
     net = blocks(8)
-    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
+    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse, **options)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     for _ in range(2):
         pipe.step(x, target=y)

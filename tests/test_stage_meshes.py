@@ -126,6 +126,11 @@ def _errors() -> dict[str, str]:
                              2, mse, tp_plan=plan, timeout=30)  # fmt: skip
     out["odd_on_tp1"] = str(fine.step(torch.randn(4, D), target=torch.randn(4, D)).item())
     pipe = meshpipe.Pipeline(blocks(2), meshes, "1f1b", 2, mse, timeout=30)
+    # a process passing other rows of the same shape (its own slice, as on a uniform mesh)
+    torch.manual_seed(7 + (dist.get_rank() == 2))
+    x = torch.randn(4, D)
+    out["own_slice"] = refusal(lambda: pipe.step(x, target=x))
+    torch.manual_seed(8)  # the same batch on every process again
     # 3 rows in 2 microbatches: the second has 1 row, which the dp=2 mesh cannot cut
     out["few_rows"] = refusal(lambda: pipe.step(torch.randn(3, D), target=torch.randn(3, D)))
     # the pipeline still works after the refusal
@@ -327,7 +332,10 @@ def _three() -> dict[str, Any]:
     out["dtensor_tp2_tp1"] = _dtensor_case([{"tp": 2}, {"tp": 1}])
     out["eval"] = _eval_case()
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
-    out["host_reads"] = {name: host_reads(meshes, name) for name in ("1f1b", "zbv")}
+    # check_inputs="values" (the stage-mesh default) reads the inputs on the host: "shapes"
+    out["host_reads"] = {
+        name: host_reads(meshes, name, check_inputs="shapes") for name in ("1f1b", "zbv")
+    }
     out["pytrees_and_shapes"] = _pytrees_and_shapes()
     out["failure"] = _failure()
     try:
@@ -495,6 +503,7 @@ def test_errors_are_the_same_on_every_process(three: list[dict[str, Any]]) -> No
     assert "no tp_plan" in e["no_plan"], e
     assert "microbatch 1 has 1 rows" in e["few_rows"] and "dp=2" in e["few_rows"], e
     assert float(e["after"]) > 0
+    assert "not given the same values" in e["own_slice"], e
     assert "out_features=15" in e["odd_on_tp2"] and "tp size 2" in e["odd_on_tp2"], e
     assert float(e["odd_on_tp1"]) > 0
 

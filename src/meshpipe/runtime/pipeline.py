@@ -72,7 +72,8 @@ class Pipeline:
     calls; each rank keeps only its own stages. Before any transfer, the pp ranks agree that
     they were given the same call (schedule, microbatch count, mode, input and target
     structure, shapes and dtypes; ``check_inputs="values"`` also compares the input values,
-    ``"off"`` skips it): a difference raises PipelineError on every rank naming it.
+    the default with stage meshes, where every process must pass the whole batch; ``"off"``
+    skips it): a difference raises PipelineError on every rank naming it.
     ``autocast=torch.bfloat16`` runs every stage's forward and the loss under
     ``torch.autocast`` (fp32 parameters and gradients, bf16 compute and activations on the
     wire), with or without FSDP2.
@@ -98,13 +99,18 @@ class Pipeline:
         timeout: float = 300.0,
         split_points: Sequence[str] | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
-        check_inputs: str = "shapes",
+        check_inputs: str | None = None,
         example_args: Sequence[Any] | None = None,
         example_kwargs: Mapping[str, Any] | None = None,
         autocast: torch.dtype | None = None,
         activation_checkpointing: Policy = None,
         compile: CompileOption = False,
     ) -> None:
+        if check_inputs is None:
+            # stage meshes: every process must pass the whole batch; a process passing its
+            # own slice (the uniform mesh's habit) would train silently wrong, so the
+            # values are compared unless the user opts out
+            check_inputs = "values" if is_stage_meshes(mesh) else "shapes"
         if check_inputs not in CHECKS:
             raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
         self.check_inputs = check_inputs
