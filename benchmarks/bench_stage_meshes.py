@@ -65,7 +65,8 @@ def _case(stages: list[nn.Module], num: int, x: torch.Tensor, reps: int) -> dict
     mods = {k: copy.deepcopy(stages) for k in ("uniform", "stage", "torch")}
     pipes = {
         "uniform": meshpipe.Pipeline(mods["uniform"], uniform, "1f1b", num, mse),
-        "stage": meshpipe.Pipeline(mods["stage"], same, "1f1b", num, mse),
+        # the same call check as the uniform mesh (stage meshes default to "values")
+        "stage": meshpipe.Pipeline(mods["stage"], same, "1f1b", num, mse, check_inputs="shapes"),
     }
     rank = dist.get_rank()
     _, torch_local, torch_step = build_torch(
