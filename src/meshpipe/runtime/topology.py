@@ -159,7 +159,10 @@ def pp_channels(topo: Topology) -> Channels:
         timeout=datetime.timedelta(days=7),
         use_local_synchronization=True,
     )
+    data = topo.pp_group
+    if topo.stage_meshes:  # a group of its own for the transfers, as a pp group is
+        data = dist.new_group(list(ranks), use_local_synchronization=True)
     cuda = topo.device.type == "cuda"
     if cuda:
-        dist.all_reduce(torch.zeros(1, device=topo.device), group=topo.pp_group)
-    return Channels(topo.pp_group, ctrl, ranks, batched=cuda)
+        dist.all_reduce(torch.zeros(1, device=topo.device), group=data)
+    return Channels(data, ctrl, ranks, batched=cuda)
