@@ -27,6 +27,7 @@ import meshpipe
 from meshpipe.testing import run_on_ranks
 
 from parity import (
+    SCHEDULES,
     D,
     OnCall,
     blocks,
@@ -321,6 +322,25 @@ def _no_sync_case(dp: str) -> dict[str, Any]:
     return {"worst": {"grad": full_grad_diff(pipe, ref)}, "param": 0.0}
 
 
+def _every_schedule() -> dict[str, dict[str, float]]:
+    """Every training schedule on [{"tp": 1}, {"dp": 2}]: one step against one process."""
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
+    out: dict[str, dict[str, float]] = {}
+    for name in SCHEDULES:
+        if not registered(name):
+            continue
+        net = blocks(8)
+        ref = copy.deepcopy(net)
+        torch.manual_seed(2)
+        x, y = torch.randn(14, D), torch.randn(14, D)
+        pipe = meshpipe.Pipeline(net, meshes, name, num_microbatches=4, loss_fn=mse, timeout=60)
+        loss = pipe.step(x, target=y)
+        expected = mse(ref(x), y)
+        expected.backward()
+        out[name] = {"loss": abs(loss.item() - expected.item()), "grad": full_grad_diff(pipe, ref)}
+    return out
+
+
 def _three() -> dict[str, Any]:
     out: dict[str, Any] = {
         "tp1_tp2": _adamw_case(meshpipe.init_stage_meshes([{"tp": 1}, {"tp": 2}]), "1f1b")
@@ -331,6 +351,7 @@ def _three() -> dict[str, Any]:
     out["errors"] = _errors()
     out["dtensor_tp2_tp1"] = _dtensor_case([{"tp": 2}, {"tp": 1}])
     out["eval"] = _eval_case()
+    out["every_schedule"] = _every_schedule()
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
     # check_inputs="values" (the stage-mesh default) reads the inputs on the host: "shapes"
     out["host_reads"] = {
@@ -657,3 +678,12 @@ def test_steady_state_step_reads_nothing_on_the_host(three: list[dict[str, Any]]
     """The piece layer adds no host reads (what would make a GPU step wait on the host)."""
     for rank, res in enumerate(three):
         assert res["host_reads"] == {"1f1b": [], "zbv": []}, (rank, res["host_reads"])
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_on_stage_meshes(three: list[dict[str, Any]], name: str) -> None:
+    if name not in three[0]["every_schedule"]:
+        pytest.skip(f"{name} not registered")
+    for rank, res in enumerate(three):
+        for metric, value in res["every_schedule"][name].items():
+            assert value <= ATOL, f"process {rank} {name}: {metric} differs by {value}"
