@@ -41,26 +41,33 @@ def _dev(mesh: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def _one_step(mesh: Any, name: str, dev: torch.device, rows: int) -> dict[str, float]:
+    """One step against one process on the whole batch (and forward's output, where the
+    last stage is); the loss must stay on the device."""
+    net = blocks(8)
+    ref = copy.deepcopy(net).to(dev)
+    torch.manual_seed(1)
+    x, y = torch.randn(rows, 16, device=dev), torch.randn(rows, 16, device=dev)
+    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
+    loss = pipe.step(x, target=y)
+    expected = mse(ref(x), y)
+    expected.backward()
+    res = {
+        "loss": abs(loss.item() - expected.item()),
+        "grad": grad_diff(pipe, ref),
+        "loss_on_device": float(loss.device.type != dev.type),
+    }
+    out = pipe.forward(x)
+    if out is not None:
+        with torch.no_grad():
+            res["forward"] = (out - ref(x)).abs().max().item()
+    return res
+
+
 def parity_all(device: str, plain: bool) -> dict[str, dict[str, float]]:
     """Every training schedule at pp=2: one step against one process on the whole batch."""
     mesh = make_mesh(device, plain, pp=2)
-    dev = _dev(mesh)
-    out: dict[str, dict[str, float]] = {}
-    for name in SCHEDULES:
-        net = blocks(8)
-        ref = copy.deepcopy(net).to(dev)
-        torch.manual_seed(1)
-        x, y = torch.randn(12, 16, device=dev), torch.randn(12, 16, device=dev)
-        pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
-        loss = pipe.step(x, target=y)
-        expected = mse(ref(x), y)
-        expected.backward()
-        out[name] = {
-            "loss": abs(loss.item() - expected.item()),
-            "grad": grad_diff(pipe, ref),
-            "loss_on_device": float(loss.device.type != dev.type),
-        }
-    return out
+    return {name: _one_step(mesh, name, _dev(mesh), 12) for name in SCHEDULES}
 
 
 def fsdp_parity(device: str, plain: bool) -> dict[str, dict[str, float]]:
@@ -134,28 +141,7 @@ def stage_meshes(device: str) -> dict[str, dict[str, float]]:
     """Stage meshes [{"tp": 1}, {"dp": 2}] (3 processes): 1f1b and zbv, one step against one
     process on the whole batch, with the loss on the device; forward's whole batch."""
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}], device_type=device)
-    dev = _dev(meshes[0])
-    out: dict[str, dict[str, float]] = {}
-    for name in ("1f1b", "zbv"):
-        net = blocks(8)
-        ref = copy.deepcopy(net).to(dev)
-        torch.manual_seed(1)
-        x, y = torch.randn(13, 16, device=dev), torch.randn(13, 16, device=dev)
-        pipe = meshpipe.Pipeline(net, meshes, name, num_microbatches=4, loss_fn=mse)
-        loss = pipe.step(x, target=y)
-        expected = mse(ref(x), y)
-        expected.backward()
-        res = {
-            "loss": abs(loss.item() - expected.item()),
-            "grad": grad_diff(pipe, ref),
-            "loss_on_device": float(loss.device.type != dev.type),
-        }
-        out_ = pipe.forward(x)
-        if out_ is not None:
-            with torch.no_grad():
-                res["forward"] = (out_ - ref(x)).abs().max().item()
-        out[name] = res
-    return out
+    return {name: _one_step(meshes, name, _dev(meshes[0]), 13) for name in ("1f1b", "zbv")}
 
 
 def _dry_run() -> None:
