@@ -282,3 +282,42 @@ def host_reads(mesh: Any, name: str, **options: Any) -> list[str]:
             setattr(torch.Tensor, m, f)
     assert loss.dim() == 0
     return seen
+
+
+def dtensor_case(mesh: Any) -> dict[str, Any]:
+    """A DTensor crossing a stage boundary: the first stage's ColwiseParallel keeps its
+    output a DTensor sharded on the last dim (use_local_output=False); the second stage gets
+    it as a DTensor with that placement on its own tp mesh (or a plain tensor where its tp
+    is 1). Two steps against one process; ``inputs``: what the second stage received."""
+    from collections import OrderedDict
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    s0 = nn.Sequential(OrderedDict(up=nn.Linear(D, 4 * D)))
+    s1 = nn.Sequential(OrderedDict(act=nn.Tanh(), down=nn.Linear(4 * D, D)))
+    ref = nn.Sequential(
+        OrderedDict(up=copy.deepcopy(s0.up), act=nn.Tanh(), down=copy.deepcopy(s1.down))
+    )
+    seen: list[str] = []
+    s1.register_forward_pre_hook(
+        lambda _m, args: seen.append(
+            f"{type(args[0]).__name__} {getattr(args[0], 'placements', '')}"
+        )
+    )
+    plan = {
+        "up": ColwiseParallel(use_local_output=False),
+        "down": RowwiseParallel(input_layouts=Shard(-1)),
+    }
+    pipe = meshpipe.Pipeline([s0, s1], mesh, "1f1b", 4, mse, tp_plan=plan, timeout=60)
+    torch.manual_seed(1)
+    x, y = torch.randn(16, D), torch.randn(16, D)
+    worst = {"loss": 0.0, "grad": 0.0}
+    for _ in range(2):
+        loss = pipe.step(x, target=y)
+        expected = mse(ref(x), y)
+        expected.backward()
+        worst["loss"] = max(worst["loss"], abs(loss.item() - expected.item()))
+        worst["grad"] = max(worst["grad"], full_grad_diff(pipe, ref))
+    return {"worst": worst, "param": 0.0, "inputs": sorted(set(seen))}

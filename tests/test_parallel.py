@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import D, blocks, check_case, dp_batch, mse
+from parity import D, blocks, check_case, dp_batch, dtensor_case, mse
 
 ATOL = 1e-5
 STEPS = 3
@@ -132,6 +132,7 @@ def _four() -> dict[str, Any]:
     for s in schedules:
         out[f"tp-{s}"] = _train_case(tp_mesh, s, None, tp=True)
     out["errors"] = _errors(tp_mesh)
+    out["dtensor_boundary"] = dtensor_case(tp_mesh)
     out["bf16"] = _bf16_case(mesh)
     if "zbv" in meshpipe.schedule_names():
         out["reshard_bytes"] = _reshard_bytes(mesh)
@@ -199,3 +200,12 @@ def test_pp_dp_tp_eight_processes() -> None:
     results = run_on_ranks(_eight, 8, timeout=600)
     for case in ("3d-1f1b", "3d-zbv"):
         check_case(results, case, ATOL)
+
+
+def test_dtensor_boundary_value_on_pp_x_tp(four: list[dict[str, Any]]) -> None:
+    """A stage output kept a DTensor crosses to the next pp rank with its placement."""
+    for rank, res in enumerate(four):
+        got = res["dtensor_boundary"]
+        assert got["worst"]["loss"] <= ATOL and got["worst"]["grad"] <= ATOL, (rank, got)
+    for res in four[2:]:  # pp rank 1 (global ranks 2, 3) received a DTensor
+        assert res["dtensor_boundary"]["inputs"] == ["DTensor (Shard(dim=1),)"], res

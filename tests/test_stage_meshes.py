@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import meshpipe
@@ -32,6 +32,7 @@ from parity import (
     OnCall,
     blocks,
     deadlock_control,
+    dtensor_case,
     full_grad_diff,
     host_reads,
     mse,
@@ -249,42 +250,6 @@ def _failure() -> dict[str, str]:
     return got
 
 
-def _dtensor_case(shapes: list[dict[str, int]]) -> dict[str, Any]:
-    """A DTensor crossing: the first stage's ColwiseParallel keeps its output a DTensor
-    sharded on the last dim (use_local_output=False); the second stage gets it as a DTensor
-    with that placement on its own tp mesh (or a plain tensor where its tp is 1)."""
-    from collections import OrderedDict
-
-    torch.manual_seed(0)
-    s0 = nn.Sequential(OrderedDict(up=nn.Linear(D, 4 * D)))
-    s1 = nn.Sequential(OrderedDict(act=nn.Tanh(), down=nn.Linear(4 * D, D)))
-    ref = nn.Sequential(
-        OrderedDict(up=copy.deepcopy(s0.up), act=nn.Tanh(), down=copy.deepcopy(s1.down))
-    )
-    seen: list[str] = []
-    s1.register_forward_pre_hook(
-        lambda _m, args: seen.append(
-            f"{type(args[0]).__name__} {getattr(args[0], 'placements', '')}"
-        )
-    )
-    plan = {
-        "up": ColwiseParallel(use_local_output=False),
-        "down": RowwiseParallel(input_layouts=Shard(-1)),
-    }
-    meshes = meshpipe.init_stage_meshes(shapes)
-    pipe = meshpipe.Pipeline([s0, s1], meshes, "1f1b", 4, mse, tp_plan=plan, timeout=60)
-    torch.manual_seed(1)
-    x, y = torch.randn(16, D), torch.randn(16, D)
-    worst = {"loss": 0.0, "grad": 0.0}
-    for _ in range(2):
-        loss = pipe.step(x, target=y)
-        expected = mse(ref(x), y)
-        expected.backward()
-        worst["loss"] = max(worst["loss"], abs(loss.item() - expected.item()))
-        worst["grad"] = max(worst["grad"], full_grad_diff(pipe, ref))
-    return {"worst": worst, "param": 0.0, "inputs": sorted(set(seen))}
-
-
 def _eval_case() -> dict[str, float]:
     """eval_step with a metric on [{"tp": 1}, {"dp": 2}], 13 rows (uneven parts)."""
     torch.manual_seed(4)
@@ -349,7 +314,7 @@ def _three() -> dict[str, Any]:
         meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 1}])
         out["zbv_dp2_tp1_uneven"] = _adamw_case(meshes, "zbv", batch=13)
     out["errors"] = _errors()
-    out["dtensor_tp2_tp1"] = _dtensor_case([{"tp": 2}, {"tp": 1}])
+    out["dtensor_tp2_tp1"] = dtensor_case(meshpipe.init_stage_meshes([{"tp": 2}, {"tp": 1}]))
     out["eval"] = _eval_case()
     out["every_schedule"] = _every_schedule()
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
@@ -452,10 +417,10 @@ def _four(path: str) -> dict[str, Any]:
         out[f"dp2_tp2_{dp}"] = _adamw_case(meshes, "1f1b", dp=dp)
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 1}])
     out["fsdp_middle"] = _adamw_case(meshes, "1f1b", dp="fsdp", batch=12, num_microbatches=3)
-    out["dtensor_tp2_tp2"] = _dtensor_case([{"tp": 2}, {"tp": 2}])
+    out["dtensor_tp2_tp2"] = dtensor_case(meshpipe.init_stage_meshes([{"tp": 2}, {"tp": 2}]))
     out["no_sync_ddp"] = _no_sync_case("ddp")
     out["no_sync_fsdp"] = _no_sync_case("fsdp")
-    out["dtensor_tp2_dp2"] = _dtensor_case([{"tp": 2}, {"dp": 2}])
+    out["dtensor_tp2_dp2"] = dtensor_case(meshpipe.init_stage_meshes([{"tp": 2}, {"dp": 2}]))
     out["checkpoint"] = _checkpoint_round_trip(path)
     # last: a timed-out wait makes gloo close the connections, so nothing runs after it
     out["negative_control"] = _negative_control()

@@ -146,7 +146,7 @@ def between_meshes(
     ``dtensors`` (a tp mesh sends) DTensor leaves go as full values tagged with their
     placement."""
     if dtensors:
-        value = dtensors_to_full(value, str(where))
+        value = dtensors_to_full(value, where)
     if len(pieces) == 1 and pieces[0].whole:
         return [(pieces[0], value)]
     leaves, spec = flatten(value)
@@ -234,7 +234,7 @@ def _map(value: Any, fn: Any) -> Any:
     return value
 
 
-def dtensors_to_full(value: Any, where: str) -> Any:
+def dtensors_to_full(value: Any, where: object) -> Any:
     """Sender side: each DTensor leaf as its full value and placement (collective over the
     DTensor's mesh: every tp rank of the sending mesh puts the same value)."""
 

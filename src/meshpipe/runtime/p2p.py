@@ -41,6 +41,7 @@ from meshpipe.runtime.layout import (
     Layout,
     Piece,
     between_meshes,
+    dtensors_to_full,
     full_to_dtensors,
     join_values,
 )
@@ -126,7 +127,8 @@ class Comm:
         self.layout = layout if layout is not None else Layout.uniform(channels.global_ranks, rank)
         self.rows = rows  # rows of each microbatch (whole, before any dp cut)
         self._placement: Sequence[int] = ()
-        self.tp_mesh: Any = None  # stage meshes: DTensor values are rebuilt on this mesh
+        self.tp_mesh: Any = None  # DTensor values are rebuilt on this (tp) mesh
+        self.uniform_tp = False  # a uniform mesh with tp > 1: DTensor values may cross
         self._pp, self._d, _t = self.layout.place(self.layout.me)
         self._dp, self._tp = self.layout.shape(self._pp)
         self.timeout = timeout
@@ -279,6 +281,8 @@ class Comm:
         dst = self._placement[transfer.dst_stage]
         pieces = self.layout.mine(True, self._pp, dst, self._rows(transfer))
         if not self.layout.stage_meshes:  # one process per pp rank: whole, to the one peer
+            if self.uniform_tp:  # a pp x tp mesh: DTensor leaves go as full values
+                value = dtensors_to_full(value, transfer)
             self._outbox[(pieces[0].dst, transfer)] = value
             return
         rows = self._local_rows(transfer.mb)
@@ -298,7 +302,8 @@ class Comm:
         src = self._placement[transfer.src_stage]
         pieces = lay.mine(False, src, self._pp, self._rows(transfer))
         if not lay.stage_meshes:
-            return self._take_piece(pieces[0].src, transfer, doing)
+            value = self._take_piece(pieces[0].src, transfer, doing)
+            return full_to_dtensors(value, self.tp_mesh) if self.uniform_tp else value
         values = [self._take_piece(p.src, transfer, doing) for p in pieces]
         value = join_values(values, pieces, summed=transfer.kind == "grad")
         if lay.shape(src)[1] > 1:  # only a tp mesh sends DTensor values

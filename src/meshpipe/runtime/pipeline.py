@@ -369,6 +369,7 @@ class Pipeline:
             rows,
         )
         comm.tp_mesh = topo.tp_mesh
+        comm.uniform_tp = not topo.stage_meshes and topo.tp_size > 1
         comm.begin(*program, schedule.placement)
         return comm
 
