@@ -12,7 +12,7 @@ what differs.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,16 @@ from meshpipe.runtime.pytree import flatten
 from meshpipe.runtime.waits import wait_work
 from meshpipe.schedule.ir import Schedule
 
-__all__ = ["CHECKS", "Agreement", "fingerprint", "agree", "schedule_digest"]
+__all__ = [
+    "CHECKS",
+    "Agreement",
+    "CallCheck",
+    "check_locally",
+    "check_mode",
+    "fingerprint",
+    "agree",
+    "schedule_digest",
+]
 
 CHECKS = ("shapes", "values", "off")
 
@@ -180,3 +189,56 @@ def check_locally(args: tuple[Any, ...], target: Any, training: bool, has_loss: 
             )
     if not args:
         raise PipelineError("step()/forward() need at least one positional input")
+
+
+def check_mode(check_inputs: str | None, stage_meshes: bool) -> str:
+    """The call check a Pipeline runs: ``check_inputs``, or by default "shapes" ("values"
+    with stage meshes, where every process must pass the whole batch: a process passing
+    its own slice, the uniform mesh's habit, would otherwise train on the wrong rows)."""
+    if check_inputs is None:
+        check_inputs = "values" if stage_meshes else "shapes"
+    if check_inputs not in CHECKS:
+        raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
+    return check_inputs
+
+
+class CallCheck:
+    """A Pipeline's call check: its mode, the schedules' digests, and the group over which
+    the processes agree (every process of the pipeline, ``rank`` among ``size``)."""
+
+    def __init__(
+        self, mode: str, group: dist.ProcessGroup, size: int, rank: int, timeout: float
+    ) -> None:
+        self.mode = mode
+        self._group, self._size, self._rank, self._timeout = group, size, rank, timeout
+        self._digests: dict[int, str] = {}
+
+    def start(
+        self,
+        call: str,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        train_mode: bool,
+        training: bool,
+        has_loss: bool,
+    ) -> Callable[[], None]:
+        """Start checking a call (the digests travel while the step begins); returns the
+        *gate* that finishes the checks, identically on every process."""
+        agreement: Agreement | None = None
+        if self.mode != "off":
+            digest = self._digests.get(id(schedule))
+            if digest is None:
+                digest = self._digests[id(schedule)] = schedule_digest(schedule)
+            fields = fingerprint(
+                call, schedule, digest, args, kwargs, target, train_mode, self.mode
+            )
+            agreement = Agreement(fields, self._group, self._size, self._timeout, self._rank)
+
+        def gate() -> None:
+            if agreement is not None:
+                agreement.check()
+            check_locally(args, target, training, has_loss)
+
+        return gate

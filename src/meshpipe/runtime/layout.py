@@ -139,14 +139,10 @@ def _pieces(src: Grid, dst: Grid, rows: int) -> tuple[Piece, ...]:
 
 
 def between_meshes(
-    value: Any, pieces: Sequence[Piece], local_rows: int, where: object, dtensors: bool
+    value: Any, pieces: Sequence[Piece], local_rows: int, where: object
 ) -> list[tuple[Piece, Any]]:
     """Each piece (sent by this process) with the part of ``value`` it carries. Tensor
-    leaves are cut on dim 0, which must be the rows; 0-dim leaves go whole to each. With
-    ``dtensors`` (a tp mesh sends) DTensor leaves go as full values tagged with their
-    placement."""
-    if dtensors:
-        value = dtensors_to_full(value, where)
+    leaves are cut on dim 0, which must be the rows; 0-dim leaves go whole to each."""
     if len(pieces) == 1 and pieces[0].whole:
         return [(pieces[0], value)]
     leaves, spec = flatten(value)

@@ -121,24 +121,27 @@ class Comm:
         readers: dict[int, Reader] | None = None,
         layout: Layout | None = None,
         rows: Sequence[int] = (),
+        tp_mesh: Any = None,
     ) -> None:
         self.ch = channels
         self.rank = rank
         self.layout = layout if layout is not None else Layout.uniform(channels.global_ranks, rank)
         self.rows = rows  # rows of each microbatch (whole, before any dp cut)
         self._placement: Sequence[int] = ()
-        self.tp_mesh: Any = None  # DTensor values are rebuilt on this (tp) mesh
-        self.uniform_tp = False  # a uniform mesh with tp > 1: DTensor values may cross
+        # DTensor values (only a tp > 1 mesh makes them) cross as full values and are rebuilt
+        # on the receiver's tp mesh
+        self.tp_mesh = tp_mesh
+        self._my_tp = 1 if tp_mesh is None else tp_mesh.size()
         self._pp, self._d, _t = self.layout.place(self.layout.me)
-        self._dp, self._tp = self.layout.shape(self._pp)
+        self._dp = self.layout.shape(self._pp)[0]
         self.timeout = timeout
         self.device = device
         self.cache = cache
         self.signatures = signatures
         self._all_readers = {} if readers is None else readers  # the Pipeline's, by peer
         self.bytes_sent = 0
-        # tensor bytes this process sent per boundary, "act 0->1" (pp ranks), headers excluded
-        self.boundary_bytes: dict[str, int] = {}
+        # tensor bytes this process sent per (kind, peer process), headers excluded
+        self._sent_to: dict[tuple[str, int], int] = {}
         self.ctrl_values_sent = 0  # values sent whole on ctrl (new description keys)
         self.peak_pending_sends = 0  # most sends posted and not yet waited for, at once
         self.posted: list[tuple[P2P, ...]] = []  # every group posted, for tests and traces
@@ -174,12 +177,11 @@ class Comm:
         positions they precede), each operation expanded into the layout's pieces."""
         self._placement = placement
         self._program = {}
-        pp = self.layout.pp_rank
         for position, group in zip(positions, groups, strict=True):
             mine = tuple(
                 P2P(op.op, piece.dst if op.op == "send" else piece.src, op.transfer)
                 for op in group
-                for piece in self._pieces(op, pp)
+                for piece in self._pieces(op)
             )
             if mine:
                 self._program.setdefault(position, []).append(mine)
@@ -269,24 +271,24 @@ class Comm:
             self._recvs[(r.peer, r.transfer)] = r
         self.posted.append(group)
 
-    def _pieces(self, op: P2P, pp: int) -> tuple[Piece, ...]:
+    def _pieces(self, op: P2P) -> tuple[Piece, ...]:
         """The pieces of a pp-rank operation that this process sends or receives."""
         rows = self._rows(op.transfer)
         if op.op == "send":
-            return self.layout.mine(True, pp, op.peer, rows)
-        return self.layout.mine(False, op.peer, pp, rows)
+            return self.layout.mine(True, self._pp, op.peer, rows)
+        return self.layout.mine(False, op.peer, self._pp, rows)
 
     def put(self, transfer: Transfer, value: Any) -> None:
         """Hand over an action's output; it is sent with the next group of the program."""
         dst = self._placement[transfer.dst_stage]
         pieces = self.layout.mine(True, self._pp, dst, self._rows(transfer))
+        if self._my_tp > 1:
+            value = dtensors_to_full(value, transfer)
         if not self.layout.stage_meshes:  # one process per pp rank: whole, to the one peer
-            if self.uniform_tp:  # a pp x tp mesh: DTensor leaves go as full values
-                value = dtensors_to_full(value, transfer)
             self._outbox[(pieces[0].dst, transfer)] = value
             return
         rows = self._local_rows(transfer.mb)
-        for piece, part in between_meshes(value, pieces, rows, transfer, self._tp > 1):
+        for piece, part in between_meshes(value, pieces, rows, transfer):
             self._outbox[(piece.dst, transfer)] = part
 
     def _rows(self, transfer: Transfer) -> int:
@@ -301,14 +303,24 @@ class Comm:
         lay = self.layout
         src = self._placement[transfer.src_stage]
         pieces = lay.mine(False, src, self._pp, self._rows(transfer))
-        if not lay.stage_meshes:
+        if lay.stage_meshes:
+            values = [self._take_piece(p.src, transfer, doing) for p in pieces]
+            value = join_values(values, pieces, summed=transfer.kind == "grad")
+            sender_tp = lay.shape(src)[1]
+        else:  # one process per pp rank, all with this mesh's tp size
             value = self._take_piece(pieces[0].src, transfer, doing)
-            return full_to_dtensors(value, self.tp_mesh) if self.uniform_tp else value
-        values = [self._take_piece(p.src, transfer, doing) for p in pieces]
-        value = join_values(values, pieces, summed=transfer.kind == "grad")
-        if lay.shape(src)[1] > 1:  # only a tp mesh sends DTensor values
+            sender_tp = self._my_tp
+        if sender_tp > 1:  # only a tp mesh sends DTensor values
             value = full_to_dtensors(value, self.tp_mesh)
         return value
+
+    def boundary_bytes(self) -> dict[str, int]:
+        """Tensor bytes this process sent per boundary, as ``"act 0->1"`` (pp ranks)."""
+        out: dict[str, int] = {}
+        for (kind, peer), n in self._sent_to.items():
+            where = f"{kind} {self._pp}->{self.layout.place(peer)[0]}"
+            out[where] = out.get(where, 0) + n
+        return out
 
     def _take_piece(self, peer: int, transfer: Transfer, doing: str) -> Any:
         r = self._recvs.pop((peer, transfer))
@@ -336,10 +348,9 @@ class Comm:
     def _prepare_send(self, op: P2P, value: Any, ops: list[tuple[str, torch.Tensor, int]]) -> None:
         tensors, desc = describe(value)
         key = self._key(op.peer, op.transfer)
-        kind = op.transfer.kind
-        where = f"{kind} {self.layout.pp_rank}->{self.layout.place(op.peer)[0]}"
+        stream = (op.transfer.kind, op.peer)
         payload = sum(x.numel() * x.element_size() for x in tensors)
-        self.boundary_bytes[where] = self.boundary_bytes.get(where, 0) + payload
+        self._sent_to[stream] = self._sent_to.get(stream, 0) + payload
         known = self.cache.send.get(key)
         if known is None:  # a key new this step: the whole value on ctrl, described
             earlier = self._new_send.setdefault(key, desc)

@@ -17,13 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.accumulate import Accumulator
-from meshpipe.runtime.agree import (
-    CHECKS,
-    Agreement,
-    check_locally,
-    fingerprint,
-    schedule_digest,
-)
+from meshpipe.runtime.agree import CallCheck, check_mode
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
@@ -106,14 +100,7 @@ class Pipeline:
         activation_checkpointing: Policy = None,
         compile: CompileOption = False,
     ) -> None:
-        if check_inputs is None:
-            # stage meshes: every process must pass the whole batch; a process passing its
-            # own slice (the uniform mesh's habit) would train silently wrong, so the
-            # values are compared unless the user opts out
-            check_inputs = "values" if is_stage_meshes(mesh) else "shapes"
-        if check_inputs not in CHECKS:
-            raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
-        self.check_inputs = check_inputs
+        self.check_inputs = check_mode(check_inputs, is_stage_meshes(mesh))
         if autocast is not None and not (
             isinstance(autocast, torch.dtype) and autocast in (torch.bfloat16, torch.float16)
         ):
@@ -124,7 +111,6 @@ class Pipeline:
         check_policy(activation_checkpointing)
         self._recompute = activation_checkpointing
         self._compile = compile_options(compile)
-        self._digests: dict[int, str] = {}
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if is_stage_meshes(mesh):  # one mesh per pp rank (init_stage_meshes)
@@ -161,6 +147,10 @@ class Pipeline:
             self._build_runners(stage_modules(model, self.schedule))
         self._programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
         self._channels: Channels = pp_channels(topo)
+        self._calls = CallCheck(
+            self.check_inputs, self._channels.ctrl, len(topo.layout.ranks), topo.layout.me,
+            self.timeout,
+        )  # fmt: skip
         self._descs = DescCache()
         self._readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
         self._watchdog = Watchdog() if topo.device.type == "cuda" else None
@@ -275,7 +265,7 @@ class Pipeline:
         comm = getattr(self, "_comm_now", None)
         return {
             "pp_bytes_sent": 0 if comm is None else comm.bytes_sent,
-            "boundary_bytes": {} if comm is None else dict(comm.boundary_bytes),
+            "boundary_bytes": {} if comm is None else comm.boundary_bytes(),
             "dp_bytes": self._spmd.dp_bytes_per_step,
             "dp_bytes_min": self._spmd.dp_bytes_min,
         }
@@ -329,22 +319,10 @@ class Pipeline:
                 "of step with the other ranks' (after a timeout gloo closes the connections), "
                 "so restart the job (or build a new Pipeline on a new process group)"
             )
-        agreement: Agreement | None = None
-        if self.check_inputs != "off":
-            digest = self._digests.get(id(schedule))
-            if digest is None:
-                digest = self._digests[id(schedule)] = schedule_digest(schedule)
-            fields = fingerprint(
-                call, schedule, digest, args, kwargs, target, self._training, self.check_inputs
-            )
-            lay = self.topology.layout
-            agreement = Agreement(fields, self._channels.ctrl, len(lay.ranks), self.timeout, lay.me)
-
-        def gate() -> None:
-            if agreement is not None:
-                agreement.check()
-            check_locally(args, target, training, self.loss_fn is not None)
-
+        has_loss = self.loss_fn is not None
+        gate = self._calls.start(
+            call, schedule, args, kwargs, target, self._training, training, has_loss
+        )
         if self._whole is not None and self._whole.pending:
             gate()  # the split is collective: agree before it
             return lambda: None
@@ -367,9 +345,8 @@ class Pipeline:
             self._readers,
             topo.layout,
             rows,
+            topo.tp_mesh,
         )
-        comm.tp_mesh = topo.tp_mesh
-        comm.uniform_tp = not topo.stage_meshes and topo.tp_size > 1
         comm.begin(*program, schedule.placement)
         return comm
 
@@ -546,7 +523,7 @@ class Pipeline:
             return loss.to(torch.float32)
         reduced = reduce_metrics(
             metrics, src, self._channels.ctrl, topo.pp_group, topo.dp_group, topo.device,
-            self.timeout, self._contributes or not topo.stage_meshes, topo.stage_meshes,
+            self.timeout, self._contributes, topo.stage_meshes,
         )  # fmt: skip
         return loss.to(torch.float32), reduced
 
