@@ -29,6 +29,7 @@ __all__ = [
     "Layout",
     "Piece",
     "part_bounds",
+    "part_rows",
     "between_meshes",
     "join_values",
     "gather_parts",
@@ -39,13 +40,17 @@ __all__ = [
 Grid = tuple[tuple[int, ...], ...]  # [dp][tp] -> process index
 
 
+def part_rows(rows: int, parts: int, k: int) -> int:
+    """Rows of part ``k`` when ``rows`` are cut into ``parts`` as :func:`part_bounds` does."""
+    return rows // parts + (1 if k < rows % parts else 0)
+
+
 def part_bounds(rows: int, parts: int) -> tuple[int, ...]:
     """Row offsets of ``parts`` near-equal parts in order (larger parts first), as
     ``torch.tensor_split`` cuts them: ``parts + 1`` offsets from 0 to ``rows``."""
-    base, extra = divmod(rows, parts)
     bounds = [0]
     for k in range(parts):
-        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+        bounds.append(bounds[-1] + part_rows(rows, parts, k))
     return tuple(bounds)
 
 
@@ -91,10 +96,6 @@ class Layout:
         """(pp rank, dp coordinate, tp coordinate) of a process index."""
         return self._where[proc]  # type: ignore[attr-defined,no-any-return]
 
-    @property
-    def pp_rank(self) -> int:
-        return self.place(self.me)[0]
-
     def shape(self, pp: int) -> tuple[int, int]:
         grid = self.grids[pp]
         return len(grid), len(grid[0])
@@ -114,10 +115,6 @@ class Layout:
             got = tuple(p for p in every if (p.src if send else p.dst) == self.me)
             cache[key] = got
         return got
-
-    def min_rows(self) -> int:
-        """The fewest rows a microbatch may have: one per dp part of every mesh."""
-        return max(len(g) for g in self.grids)
 
 
 @functools.lru_cache(maxsize=4096)

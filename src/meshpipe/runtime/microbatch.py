@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from meshpipe.errors import PipelineError
+from meshpipe.runtime.layout import part_rows
 from meshpipe.runtime.pytree import flatten, unflatten
 
 __all__ = [
@@ -81,7 +82,7 @@ def dp_part(mbs: Microbatches, part: int, parts: int, chunk_spec: ChunkSpec | No
             for kw in mbs.kwargs
         ],
         targets=targets,
-        sizes=[rows // parts + (1 if part < rows % parts else 0) for rows in mbs.sizes],
+        sizes=[part_rows(rows, parts, part) for rows in mbs.sizes],
         total=sum(mbs.sizes),
     )
 

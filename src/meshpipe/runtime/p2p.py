@@ -44,6 +44,7 @@ from meshpipe.runtime.layout import (
     dtensors_to_full,
     full_to_dtensors,
     join_values,
+    part_rows,
 )
 from meshpipe.runtime.pytree import Spec, flatten, unflatten
 from meshpipe.runtime.reader import Reader
@@ -295,8 +296,7 @@ class Comm:
         return self.rows[transfer.mb] if self.rows else 0
 
     def _local_rows(self, mb: int) -> int:
-        total = self.rows[mb]
-        return total // self._dp + (1 if self._d < total % self._dp else 0)
+        return part_rows(self.rows[mb], self._dp, self._d)
 
     def take(self, transfer: Transfer, doing: str) -> Any:
         """The value of a receive posted earlier (``doing`` names the action, for errors)."""
