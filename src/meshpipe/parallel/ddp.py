@@ -9,6 +9,7 @@ weights) does not fire, so meshpipe launches the same bucketed all-reduce itself
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -45,13 +46,19 @@ class GradSync:
             self._flat.append((flat, group))
         self._work = works
 
-    def finish(self, timeout: float) -> None:
+    def finish(self, timeout: float, watchdog: Any = None) -> None:
         """Wait (at most ``timeout`` seconds) for the all-reduce and point each gradient at
-        its slice of the result."""
+        its slice of the result. With a ``watchdog`` (CUDA) the wait is a stream wait,
+        bounded by the watchdog: NCCL's wait with a timeout would block the host."""
         if self._work is None:
             return
+        deadline = time.monotonic() + timeout
         for w in self._work:
-            w.wait(timeout=datetime.timedelta(seconds=timeout))
+            if watchdog is not None:
+                w.wait()
+                watchdog.watch(w, deadline, "the gradient all-reduce over dp (ddp)")
+            else:
+                w.wait(timeout=datetime.timedelta(seconds=timeout))
         for flat, group in self._flat:
             offset = 0
             for p in group:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshpipe.runtime.microbatch import Microbatches
 from meshpipe.runtime.p2p import Comm
@@ -16,8 +16,7 @@ from meshpipe.schedule.ir import Action, Op, Schedule
 __all__ = ["ActionRecord", "RankStatus", "run_actions"]
 
 
-@dataclass(frozen=True, slots=True)
-class ActionRecord:
+class ActionRecord(NamedTuple):
     """Measured times of one action (seconds, perf_counter): start, inputs ready, end."""
 
     action: Action
@@ -81,7 +80,7 @@ def run_actions(
                     value = as_stage_input(value)
             else:
                 status.waiting_for = placement[s - 1]
-                value = comm.take(Transfer("act", s - 1, s, mb), str(a))
+                value = comm.take(Transfer("act", s - 1, s, mb), a)
                 status.waiting_for = None
             t1 = clock()
             mb_inputs = (mbs.args[mb], mbs.kwargs[mb])
@@ -104,7 +103,7 @@ def run_actions(
                     g = grads.pop((s, mb))
                 else:
                     status.waiting_for = placement[s + 1]
-                    g = comm.take(Transfer("grad", s + 1, s, mb), str(a))
+                    g = comm.take(Transfer("grad", s + 1, s, mb), a)
                     status.waiting_for = None
             t1 = clock()
             in_grads = st.backward(mb, g, split=a.op is Op.I)

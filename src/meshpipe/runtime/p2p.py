@@ -25,6 +25,7 @@ at their next receive or at the end of the step and raise RemoteStageError.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -80,6 +81,12 @@ class DescCache:
     def __init__(self) -> None:
         self.send: dict[DescKey, Desc] = {}
         self.recv: dict[DescKey, Desc] = {}
+        self._ids: dict[Hashable, int] = {}
+
+    def intern(self, signature: Hashable) -> int:
+        """A small number standing for an input signature in description keys (a nested
+        tuple is hashed once per microbatch and step, not once per transfer)."""
+        return self._ids.setdefault(signature, len(self._ids))
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,12 @@ class Channels:
     ctrl: dist.ProcessGroup
     global_ranks: tuple[int, ...]  # process index (a peer) -> global rank
     batched: bool  # post each group with batch_isend_irecv (NCCL) instead of one by one
+
+    @functools.cached_property
+    def data_ranks(self) -> tuple[int, ...]:
+        """Process index -> rank in the data group (posting on the group itself skips
+        torch.distributed's per-call argument checks, a large part of a gloo send's cost)."""
+        return tuple(dist.get_group_rank(self.data, g) for g in self.global_ranks)
 
 
 @dataclass
@@ -138,7 +151,7 @@ class Comm:
         self.timeout = timeout
         self.device = device
         self.cache = cache
-        self.signatures = signatures
+        self.signatures = [cache.intern(sig) for sig in signatures]
         self._all_readers = {} if readers is None else readers  # the Pipeline's, by peer
         self.bytes_sent = 0
         # tensor bytes this process sent per (kind, peer process), headers excluded
@@ -178,11 +191,16 @@ class Comm:
         positions they precede), each operation expanded into the layout's pieces."""
         self._placement = placement
         self._program = {}
+        uniform = not self.layout.stage_meshes  # process index == pp rank: groups as they are
         for position, group in zip(positions, groups, strict=True):
-            mine = tuple(
-                P2P(op.op, piece.dst if op.op == "send" else piece.src, op.transfer)
-                for op in group
-                for piece in self._pieces(op)
+            mine = (
+                group
+                if uniform
+                else tuple(
+                    P2P(op.op, piece.dst if op.op == "send" else piece.src, op.transfer)
+                    for op in group
+                    for piece in self._pieces(op)
+                )
             )
             if mine:
                 self._program.setdefault(position, []).append(mine)
@@ -201,7 +219,7 @@ class Comm:
         self.pass_gate()
         deadline = time.monotonic() + self.timeout
         for work, _tensors, peer in self._sends:
-            self._wait(work, deadline, f"send to rank {peer}", peer)
+            self._wait(work, deadline, "send", peer)
         self._sends.clear()
         end = wire.make_header({"x": 1})
         markers = [(self._ctrl_send(p, end), p) for p in self._send_peers]
@@ -282,12 +300,12 @@ class Comm:
     def put(self, transfer: Transfer, value: Any) -> None:
         """Hand over an action's output; it is sent with the next group of the program."""
         dst = self._placement[transfer.dst_stage]
-        pieces = self.layout.mine(True, self._pp, dst, self._rows(transfer))
         if self._my_tp > 1:
             value = dtensors_to_full(value, transfer)
         if not self.layout.stage_meshes:  # one process per pp rank: whole, to the one peer
-            self._outbox[(pieces[0].dst, transfer)] = value
+            self._outbox[(dst, transfer)] = value
             return
+        pieces = self.layout.mine(True, self._pp, dst, self._rows(transfer))
         rows = self._local_rows(transfer.mb)
         for piece, part in between_meshes(value, pieces, rows, transfer):
             self._outbox[(piece.dst, transfer)] = part
@@ -298,17 +316,17 @@ class Comm:
     def _local_rows(self, mb: int) -> int:
         return part_rows(self.rows[mb], self._dp, self._d)
 
-    def take(self, transfer: Transfer, doing: str) -> Any:
-        """The value of a receive posted earlier (``doing`` names the action, for errors)."""
+    def take(self, transfer: Transfer, doing: object) -> Any:
+        """The value of a receive posted earlier (``doing``, the action, names it in errors)."""
         lay = self.layout
         src = self._placement[transfer.src_stage]
-        pieces = lay.mine(False, src, self._pp, self._rows(transfer))
         if lay.stage_meshes:
+            pieces = lay.mine(False, src, self._pp, self._rows(transfer))
             values = [self._take_piece(p.src, transfer, doing) for p in pieces]
             value = join_values(values, pieces, summed=transfer.kind == "grad")
             sender_tp = lay.shape(src)[1]
-        else:  # one process per pp rank, all with this mesh's tp size
-            value = self._take_piece(pieces[0].src, transfer, doing)
+        else:  # one process per pp rank (process index == pp rank), all with this tp size
+            value = self._take_piece(src, transfer, doing)
             sender_tp = self._my_tp
         if sender_tp > 1:  # only a tp mesh sends DTensor values
             value = full_to_dtensors(value, self.tp_mesh)
@@ -322,7 +340,7 @@ class Comm:
             out[where] = out.get(where, 0) + n
         return out
 
-    def _take_piece(self, peer: int, transfer: Transfer, doing: str) -> Any:
+    def _take_piece(self, peer: int, transfer: Transfer, doing: object) -> Any:
         r = self._recvs.pop((peer, transfer))
         deadline = time.monotonic() + self.timeout
         try:
@@ -336,7 +354,7 @@ class Comm:
                 f"rank {r.peer} (global rank {self.ch.global_ranks[r.peer]}); that rank is "
                 "stuck or gone",
                 rank=self.rank,
-                action=doing,
+                action=str(doing),
                 mb=transfer.mb,
                 peer=r.peer,
             ) from e
@@ -347,9 +365,18 @@ class Comm:
 
     def _prepare_send(self, op: P2P, value: Any, ops: list[tuple[str, torch.Tensor, int]]) -> None:
         tensors, desc = describe(value)
-        key = self._key(op.peer, op.transfer)
-        stream = (op.transfer.kind, op.peer)
-        payload = sum(x.numel() * x.element_size() for x in tensors)
+        transfer = op.transfer
+        key = (
+            op.peer,
+            transfer.kind,
+            transfer.src_stage,
+            transfer.dst_stage,
+            self.signatures[transfer.mb],
+        )
+        stream = (transfer.kind, op.peer)
+        payload = 0
+        for x in tensors:
+            payload += x.numel() * x.element_size()
         self._sent_to[stream] = self._sent_to.get(stream, 0) + payload
         known = self.cache.send.get(key)
         if known is None:  # a key new this step: the whole value on ctrl, described
@@ -363,13 +390,12 @@ class Comm:
             self.bytes_sent += header.numel() + buf.numel()
             self.ctrl_values_sent += 1
             return
-        if known != desc:
+        if known is not desc and known != desc:
             raise self._changed(op.transfer, desc, known)
+        self.bytes_sent += payload
         for t in tensors:
             if t.numel():
-                t = t.contiguous()
-                ops.append(("send", t, op.peer))
-                self.bytes_sent += t.numel() * t.element_size()
+                ops.append(("send", t.contiguous(), op.peer))
 
     def _changed(self, transfer: Transfer, desc: Desc, before: Desc) -> PipelineError:
         return PipelineError(
@@ -392,9 +418,9 @@ class Comm:
                     ops.append(("recv", buf, op.peer))
         return r
 
-    def _take_data(self, r: _Recv, desc: Desc, deadline: float, doing: str) -> Any:
+    def _take_data(self, r: _Recv, desc: Desc, deadline: float, doing: object) -> Any:
         for work in r.works:  # on CUDA a stream wait, bounded by the watchdog
-            self._wait(work, deadline, f"{doing}: receive", r.peer)
+            self._wait(work, deadline, lambda: f"{doing}: receive", r.peer)
         self._raise_remote_error()
         leaves = []
         for buf, (_dt, _shape, rg) in zip(r.buffers, desc.leaves, strict=True):
@@ -403,7 +429,7 @@ class Comm:
             leaves.append(buf)
         return unflatten(leaves, desc.spec)
 
-    def _take_whole(self, r: _Recv, deadline: float, doing: str) -> Any:
+    def _take_whole(self, r: _Recv, deadline: float, doing: object) -> Any:
         reader = self._readers[r.peer]
         _kind, (got, value) = reader.next(deadline, f"{r.transfer} in {doing}")
         if got != r.transfer:
@@ -421,9 +447,13 @@ class Comm:
 
     # -- failure ----------------------------------------------------------------------
     def remote_error(self, fields: dict[str, Any]) -> RemoteStageError:
-        return RemoteStageError(
+        err = RemoteStageError(
             f"rank {self.rank} stopped: rank {fields['r']} failed: {fields['e']}"
         )
+        # a peer that itself timed out explains nothing to a rank that timed out too (both
+        # waited in the same hang): that rank reports its own timeout
+        err.peer_timed_out = str(fields["e"]).startswith("CommTimeoutError")  # type: ignore[attr-defined]
+        return err
 
     def _raise_remote_error(self) -> None:
         for reader in self._readers.values():
@@ -521,9 +551,12 @@ class Comm:
             ]
             batch = dist.batch_isend_irecv(p2p)
             works: list[Any] = [batch[-1]] * len(ops) if len(batch) != len(ops) else list(batch)
-        else:
+        else:  # gloo: one by one, on the group itself (what dist.isend/irecv end in)
+            to = self.ch.data_ranks
             works = [
-                (dist.isend if kind == "send" else dist.irecv)(t, ranks[peer], group=group)
+                group.send([_real(t)], to[peer], 0)
+                if kind == "send"
+                else group.recv([_real(t)], to[peer], 0)
                 for kind, t, peer in ops
             ]
         for w, (kind, t, peer) in zip(works, ops, strict=True):
@@ -534,7 +567,7 @@ class Comm:
             # free sent buffers as the step goes, not at its end (the validator's model
             # waits for every group before the next, so waiting for an old send is safe)
             old, _tensors, peer = self._sends.pop(0)
-            self._wait(old, time.monotonic() + self.timeout, f"send to rank {peer}", peer)
+            self._wait(old, time.monotonic() + self.timeout, "send", peer)
         return works
 
     def _ctrl_send(self, peer: int, buf: torch.Tensor) -> Any:
@@ -556,7 +589,7 @@ class Comm:
             raise self._translated(e, "receiving a control message", [peer]) from e
         return buf
 
-    def _wait(self, work: Any, deadline: float, what: str, peer: int) -> None:
+    def _wait(self, work: Any, deadline: float, what: str | Callable[[], str], peer: int) -> None:
         # gloo's point-to-point works wait for one more completion on every wait() call, so
         # a work is never waited for twice: by construction (receives in take, sends once
         # popped from _sends), and in strict mode, which also waits for whole groups, by id
@@ -564,20 +597,29 @@ class Comm:
             if id(work) in self._waited:
                 return
             self._waited[id(work)] = work
+
+        def text() -> str:
+            return f"rank {self.rank}: {what if isinstance(what, str) else what()} with rank {peer}"
+
         if self._watchdog is not None:  # device work: never block the host on it
             work.wait()
-            self._watchdog.watch(work, deadline, f"rank {self.rank}: {what} with rank {peer}")
+            self._watchdog.watch(work, deadline, text)
             return
         wait_work(
             work,
             deadline - time.monotonic(),
-            f"rank {self.rank}: {what} with rank {peer}",
+            text,  # formatted only for an error: this is the hot path
             rank=self.rank,
             peer=peer,
             peer_name=None
             if peer < 0
-            else f"rank {peer} (global rank {self.ch.global_ranks[peer]})",
+            else lambda: f"rank {peer} (global rank {self.ch.global_ranks[peer]})",
         )
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """Complex tensors travel as their real view (as torch.distributed's isend does)."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _show(desc: Desc) -> str:

@@ -427,6 +427,9 @@ class Pipeline:
             self._descs = DescCache()  # descriptions are unknown after a broken step
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
+            if isinstance(e, CommTimeoutError) and getattr(cause, "peer_timed_out", False):
+                e.args = (f"{e}; meanwhile: {cause}",)  # both waited in one hang: keep both
+                cause = None
             if cause is not None and cause is not e and not isinstance(e, RemoteStageError):
                 # this rank failed on values a failed peer had zero-filled: report the peer
                 cause.meshpipe_status = report  # type: ignore[attr-defined]
@@ -544,7 +547,7 @@ class Pipeline:
     ) -> torch.Tensor:
         """End of step: the loss agreed over pp and dp, gradients reduced (over dp, unless
         in no_sync) and scaled by the loss normalisation times ``gs`` (grad_scale)."""
-        factor = self._spmd.finish_step(self.timeout)
+        factor = self._spmd.finish_step(self.timeout, self._watchdog)
         topo = self.topology
         loss, scale = reduce_loss(
             losses, self._contributes, topo.pp_global_ranks[sched.placement[-1]],

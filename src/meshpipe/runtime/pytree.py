@@ -18,6 +18,8 @@ _CONSTANTS = (type(None), bool, int, float, str)
 
 def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
     """Tensor leaves in depth-first order, and the structure to rebuild ``obj``."""
+    if isinstance(obj, torch.Tensor):  # the usual boundary value, once per transfer
+        return [obj], ["T", 0]
     leaves: list[torch.Tensor] = []
 
     def walk(x: Any, path: str) -> Spec:

@@ -36,6 +36,9 @@ class Reader:
         self.peer = peer
         self.items: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.error: RemoteStageError | None = None
+        # set once an error notice is queued: poll_error reads the queue only then (it is
+        # called before every group and receive of a step)
+        self.error_queued = False
         self._comm: CtrlEnd | None = None
         self._epochs = threading.Semaphore(0)
         self._thread = threading.Thread(
@@ -47,6 +50,7 @@ class Reader:
         """A step starts: read its messages (the previous epoch ended at its terminator)."""
         self._comm = comm
         self.error = None
+        self.error_queued = False
         self._epochs.release()
 
     def _run(self) -> None:
@@ -64,6 +68,7 @@ class Reader:
                 fields = wire.read_header(header)
                 if "e" in fields:
                     self.items.put(("error", c.remote_error(fields)))
+                    self.error_queued = True
                     return True
                 if "x" in fields:
                     self.items.put(("end", None))
@@ -105,6 +110,8 @@ class Reader:
 
     def poll_error(self) -> RemoteStageError | None:
         """An error the peer has already reported, without waiting (values stay queued)."""
+        if not self.error_queued:
+            return None
         with self.items.mutex:
             for kind, item in self.items.queue:
                 if kind == "error":

@@ -137,11 +137,12 @@ class Spmd:
             )
         return before, after
 
-    def finish_step(self, timeout: float) -> float:
-        """Wait for replica reductions; returns the factor the reduced grads still need
-        relative to a plain sum over dp (FSDP2 averages, so it needs ``dp_size``)."""
+    def finish_step(self, timeout: float, watchdog: Any = None) -> float:
+        """Wait for replica reductions (stream waits under a CUDA ``watchdog``); returns the
+        factor the reduced grads still need relative to a plain sum over dp (FSDP2
+        averages, so it needs ``dp_size``)."""
         for sync in self._syncs.values():
-            sync.finish(timeout)
+            sync.finish(timeout, watchdog)
         return float(self.topo.dp_size) if self._fsdp else 1.0
 
     @property

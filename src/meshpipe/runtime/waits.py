@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from meshpipe.errors import CommTimeoutError, RemoteStageError
@@ -40,22 +41,32 @@ def translate(
     return e
 
 
+Text = str | Callable[[], str]  # a message, or what makes it (only when it is needed)
+
+
+def _text(t: Text | None) -> str | None:
+    return t if t is None or isinstance(t, str) else t()
+
+
 def wait_work(
     work: Any,
     seconds: float,
-    what: str,
+    what: Text,
     *,
     rank: int | None = None,
     peer: int | None = None,
-    peer_name: str | None = None,
+    peer_name: Text | None = None,
 ) -> None:
-    """Wait at most ``seconds`` for ``work``; ``what`` says what it was, for the error."""
+    """Wait at most ``seconds`` for ``work``; ``what`` says what it was, for the error (a
+    callable is called only then: waits are in the step's hot path)."""
     if seconds <= 0:
-        raise CommTimeoutError(f"{what} not done in time", rank=rank, peer=peer)
+        raise CommTimeoutError(f"{_text(what)} not done in time", rank=rank, peer=peer)
     try:
         work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as e:
-        err = translate(e, what, rank=rank, peer=peer, peer_name=peer_name, seconds=seconds)
+        err = translate(
+            e, str(_text(what)), rank=rank, peer=peer, peer_name=_text(peer_name), seconds=seconds
+        )
         if err is e:
             raise
         raise err from e
@@ -68,12 +79,12 @@ class Watchdog:
 
     def __init__(self, poll_seconds: float = 0.005) -> None:
         self._poll = poll_seconds
-        self._items: list[tuple[Any, float, str]] = []
+        self._items: list[tuple[Any, float, Text]] = []
         self._lock = threading.Lock()
         self._error: CommTimeoutError | None = None
         self._thread: threading.Thread | None = None
 
-    def watch(self, work: Any, deadline: float, what: str) -> None:
+    def watch(self, work: Any, deadline: float, what: Text) -> None:
         with self._lock:
             self._items.append((work, deadline, what))
             if self._thread is None or not self._thread.is_alive():
@@ -96,7 +107,7 @@ class Watchdog:
                     if work.is_completed():
                         continue
                     if now > deadline and self._error is None:
-                        self._error = CommTimeoutError(f"{what} not done in time (device)")
+                        self._error = CommTimeoutError(f"{_text(what)} not done in time (device)")
                     keep.append((work, deadline, what))
                 self._items = keep
                 if not keep:

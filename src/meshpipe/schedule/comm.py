@@ -10,15 +10,17 @@ arrives; messages between two ranks are matched in the order they were posted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from meshpipe.schedule.ir import Action, Op, Schedule
 
 __all__ = ["Transfer", "Wiring", "recv_of", "send_of", "message_orders", "wiring"]
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """One message: ``kind`` "act" (forward) or "grad" (backward), (src_stage -> dst_stage, mb)."""
+class Transfer(NamedTuple):
+    """One message: ``kind`` "act" (forward) or "grad" (backward), (src_stage -> dst_stage, mb).
+
+    A named tuple: the runtime builds and hashes one per transfer, in the step's hot path."""
 
     kind: str
     src_stage: int

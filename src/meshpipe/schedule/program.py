@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from meshpipe.schedule.comm import Transfer, Wiring, wiring
 from meshpipe.schedule.ir import Schedule
@@ -30,8 +30,7 @@ from meshpipe.schedule.replay import replay
 __all__ = ["P2P", "Program", "p2p_program", "program_positions"]
 
 
-@dataclass(frozen=True, slots=True)
-class P2P:
+class P2P(NamedTuple):
     """One point-to-point operation: ``op`` "send" or "recv", with pp rank ``peer``."""
 
     op: str
