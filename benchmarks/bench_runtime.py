@@ -38,6 +38,7 @@ from common import (  # noqa: E402 - the benchmarks folder is not a package
     mse,
     timed,
 )
+from hand_1f1b import hand_1f1b  # noqa: E402
 from runtime_report import render, summarize  # noqa: E402
 
 import meshpipe  # noqa: E402
@@ -244,11 +245,17 @@ def overhead_one(cfg: BenchConfig, mesh: Any) -> dict[str, Any]:
 
     def zero() -> None:
         pipe.zero_grad()
-        for m in torch_local:
+        for m in [*torch_local, hand_module]:
             m.zero_grad(set_to_none=True)
 
+    hand_module = copy.deepcopy(stages[rank])  # the floor: no framework (hand_1f1b.py)
+    hand = hand_1f1b(hand_module, rank, num, mse, mesh.get_group("pp"), 8)
     times = run_rounds(
-        {"meshpipe": lambda: pipe.step(x, target=y), "torch": lambda: torch_step(x, y)},
+        {
+            "meshpipe": lambda: pipe.step(x, target=y),
+            "torch": lambda: torch_step(x, y),
+            "hand-written loop": lambda: hand(x, y),
+        },
         zero,
         cfg.overhead_warmup,
         cfg.overhead_reps,

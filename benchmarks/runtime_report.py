@@ -66,6 +66,8 @@ def summarize(
     o0, o1 = ranks[0]["overhead"], ranks[1]["overhead"]
     o_mp = _max_per_rep(o0["times"]["meshpipe"], o1["times"]["meshpipe"])
     o_th = _max_per_rep(o0["times"]["torch"], o1["times"]["torch"])
+    hand_key = "hand-written loop"
+    o_hand = _max_per_rep(o0["times"].get(hand_key, []), o1["times"].get(hand_key, []))
     actions = o0["actions"]
     overhead = {
         "microbatches": cfg.overhead_microbatches,
@@ -75,6 +77,9 @@ def summarize(
         "meshpipe_per_action_s": median(o_mp) / actions,
         "torch_per_action_s": median(o_th) / actions,
         "ratio": median(a / b for a, b in zip(o_mp, o_th)),
+        # the transport's floor: a 1F1B loop written by hand (benchmarks/hand_1f1b.py)
+        "hand_s": median(o_hand) if o_hand else None,
+        "hand_ratio": median(a / b for a, b in zip(o_hand, o_th)) if o_hand else None,
         "cpu_ratio": _cpu_ratio(o0["times"], o1["times"]),
         "profile": [o0["profile"], o1["profile"]],
     }
@@ -180,6 +185,14 @@ def _overhead_table(o: dict[str, Any]) -> str:
             ["torch", f"{o['torch_s'] * 1e3:.2f}", f"{o['torch_per_action_s'] * 1e6:.1f}"],
             ["meshpipe/torch", f"{o['ratio']:.3f}", f"{o['ratio']:.3f}"],
             ["CPU time meshpipe/torch", f"{o['cpu_ratio']:.3f}", ""],
+            *(
+                [
+                    ["hand-written 1F1B loop (the floor)", f"{o['hand_s'] * 1e3:.2f}", ""],
+                    ["hand-written loop/torch", f"{o['hand_ratio']:.3f}", ""],
+                ]
+                if o.get("hand_s")
+                else []
+            ),
         ],
     )
 
@@ -300,10 +313,11 @@ def targets(rep: dict[str, Any]) -> str:
             f"- zbv efficiency {e:.3f} >= 0.85: {'met' if e >= 0.85 else 'MISSED'} "
             f"({z['eff_mb_meshpipe']:.3f} against the microbatched one-process run)"
         )
-    r = rep["overhead"]["ratio"]
+    r, hand = rep["overhead"]["ratio"], rep["overhead"].get("hand_ratio")
+    floor = f" (a hand-written 1F1B loop: {hand:.3f})" if hand else ""
     lines.append(
-        f"- per-microbatch overhead meshpipe/torch {r:.3f} <= 0.5: "
-        f"{'met' if r <= 0.5 else 'MISSED'}"
+        f"- per-microbatch overhead meshpipe/torch {r:.3f} <= 0.8 (issue 10): "
+        f"{'met' if r <= 0.8 else 'MISSED'}{floor}"
     )
     for m in rep["missing"]:
         lines.append(f"- {m}: not measured, the schedule is not registered")

@@ -42,22 +42,50 @@ class DataDependent(nn.Module):
         return x[x[:, 0] > 0]
 
 
-def _program_case(mesh: Any, name: str, stages_per_rank: int | None = None) -> dict[str, float]:
+def _ahead_breaks_program(posted: list[Any], program: list[Any]) -> str:
+    """What breaks the rule for receives posted ahead (runtime/lookahead.py), or "": sends
+    posted in the program's order and groups, receives of each peer in the program's order,
+    each one posted before any send of a later group."""
+    flat = [op for call in posted for op in call]
+    sends = [op for op in flat if op.op == "send"]
+    if sends != [op for g in program for op in g if op.op == "send"]:
+        return "sends out of program order"
+    for peer in {op.peer for op in flat}:
+        got = [op for op in flat if op.op == "recv" and op.peer == peer]
+        if got != [op for g in program for op in g if op.op == "recv" and op.peer == peer]:
+            return f"receives from rank {peer} out of program order"
+    at = {op: i for i, op in enumerate(flat)}
+    for k, group in enumerate(program):
+        later = [at[op] for g in program[k + 1 :] for op in g if op.op == "send"]
+        if later and any(at[op] > min(later) for op in group if op.op == "recv"):
+            return f"a receive of group {k} posted after a later group's send"
+    return ""
+
+
+def _program_case(mesh: Any, name: str, stages_per_rank: int | None = None) -> dict[str, Any]:
     net = blocks(8)
     pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
-    pipe.step(x, target=y)
-    first = pipe._comm_now
-    pipe.step(x, target=y)
-    second = pipe._comm_now
-    assert first is not None and second is not None
     rank = pipe.topology.pp_rank
     expected = list(meshpipe.p2p_program(pipe.schedule)[rank])
+    os.environ["MESHPIPE_RECV_AHEAD_BYTES"] = "0"  # the program exactly as written
+    try:
+        pipe.step(x, target=y)
+        first = pipe._comm_now
+        pipe.step(x, target=y)
+        second = pipe._comm_now
+    finally:
+        del os.environ["MESHPIPE_RECV_AHEAD_BYTES"]
+    pipe.step(x, target=y)  # gloo's default: the step's receives posted with its first group
+    ahead = pipe._comm_now
+    assert first is not None and second is not None and ahead is not None
     return {
         "program_differs": float(second.posted != expected or first.posted != expected),
         # the first step describes each stream once on ctrl; the second step none at all
         "ctrl_values_first_step_is_0": float(first.ctrl_values_sent == 0),
         "ctrl_values_second_step": float(second.ctrl_values_sent),
+        "ahead_breaks": _ahead_breaks_program(ahead.posted, expected),
+        "receives_posted_ahead": float(ahead._ahead.posted_ahead),
     }
 
 
@@ -146,6 +174,9 @@ def test_runtime_posts_the_program_and_describes_each_stream_once(
         assert case["program_differs"] == 0.0, f"rank {rank} posted another program"
         assert case["ctrl_values_first_step_is_0"] == 0.0, f"rank {rank}: nothing described"
         assert case["ctrl_values_second_step"] == 0.0, f"rank {rank}: steady state described"
+        assert case["ahead_breaks"] == "", f"rank {rank}: {case['ahead_breaks']}"
+    # every rank receives something in these schedules, and posts it all with its first group
+    assert all(res[f"program-{name}"]["receives_posted_ahead"] > 0 for res in results)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zbv"])
@@ -186,3 +217,42 @@ def test_sent_buffers_are_released_during_the_step(results: list[dict[str, Any]]
     assert results[0]["pending"]["peak"] >= 16  # rank 0 did get that far ahead
     for rank, res in enumerate(results):
         assert res["pending"]["peak"] <= 17, f"rank {rank}: {res['pending']}"
+
+
+def test_ahead_rule_check_can_fail() -> None:
+    """The check above rejects a receive posted after a later group's send, and a change of
+    a peer's receive order (so a runtime breaking the rule would fail it)."""
+    from meshpipe.schedule.comm import Transfer
+    from meshpipe.schedule.program import P2P
+
+    def op(kind: str, mb: int) -> P2P:
+        return P2P(kind, 1, Transfer("act" if kind == "send" else "grad", 0, 1, mb))
+
+    program = [(op("send", 0),), (op("send", 1), op("recv", 0)), (op("send", 2), op("recv", 1))]
+    assert _ahead_breaks_program(program, program) == ""
+    ahead = [(op("send", 0), op("recv", 0), op("recv", 1)), (op("send", 1),), (op("send", 2),)]
+    assert _ahead_breaks_program(ahead, program) == ""
+    late = [(op("send", 0),), (op("send", 1),), (op("send", 2), op("recv", 0), op("recv", 1))]
+    assert "posted after a later group's send" in _ahead_breaks_program(late, program)
+    swapped = [(op("send", 0), op("recv", 1), op("recv", 0)), (op("send", 1),), (op("send", 2),)]
+    assert "out of program order" in _ahead_breaks_program(swapped, program)
+
+
+def test_recv_ahead_takes_a_per_peer_prefix_within_its_budget() -> None:
+    from meshpipe.runtime.lookahead import RecvAhead
+    from meshpipe.schedule.comm import Transfer
+    from meshpipe.schedule.program import P2P
+
+    recv = [P2P("recv", p, Transfer("act", 0, 1, mb)) for mb in range(3) for p in (1, 2)]
+    groups = [(r,) for r in recv]
+    sizes = {r: 10 for r in recv} | {recv[2]: 100}  # peer 1's second receive is large
+    ahead = RecvAhead(budget=50)
+    ahead.load(groups, sizes.__getitem__)
+    first = ahead.ahead()
+    # peer 1 stops at its large receive (later ones must wait behind it); peer 2 all three
+    assert first == [recv[0], recv[1], recv[3], recv[5]]
+    assert ahead.ahead() == []  # only with the first group
+    assert [ahead.due(r) for r in recv] == [False, False, True, False, True, False]
+    exact = RecvAhead(budget=0)
+    exact.load(groups, sizes.__getitem__)
+    assert exact.ahead() == [] and all(exact.due(r) for r in recv)

@@ -93,30 +93,38 @@ def fsdp_parity(device: str, plain: bool) -> dict[str, dict[str, float]]:
     return out
 
 
+def _syncs_in_third_step(mesh: Any, name: str, rows: int, **options: Any) -> int:
+    """Synchronising CUDA calls in a steady-state step (the third), m=8 (0 on a CPU run)."""
+    pipe = meshpipe.Pipeline(blocks(8), mesh, name, num_microbatches=8, loss_fn=mse, **options)
+    dev = _dev(mesh)
+    x, y = torch.randn(rows, 16, device=dev), torch.randn(rows, 16, device=dev)
+    for _ in range(2):
+        pipe.step(x, target=y)
+    if dev.type != "cuda":
+        pipe.step(x, target=y)
+        return 0
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            pipe.step(x, target=y)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def host_syncs(device: str) -> dict[str, int]:
-    """Synchronising CUDA calls in a steady-state step (the third), 1f1b and zbv, m=8."""
+    """Synchronising CUDA calls in a steady-state step, 1f1b and zbv at pp=2."""
     mesh = make_mesh(device, False, pp=2)
-    out: dict[str, int] = {}
-    for name in ("1f1b", "zbv"):
-        pipe = meshpipe.Pipeline(blocks(8), mesh, name, num_microbatches=8, loss_fn=mse)
-        dev = _dev(mesh)
-        x, y = torch.randn(32, 16, device=dev), torch.randn(32, 16, device=dev)
-        for _ in range(2):
-            pipe.step(x, target=y)
-        if device != "cuda":
-            pipe.step(x, target=y)
-            out[name] = 0
-            continue
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                pipe.step(x, target=y)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        out[name] = sum("synchroniz" in str(w.message) for w in caught)
-    return out
+    return {name: _syncs_in_third_step(mesh, name, 32) for name in ("1f1b", "zbv")}
+
+
+def host_syncs_dp(device: str) -> dict[str, int]:
+    """The same at pp=2 x dp=2 (4 processes), 1f1b, with the replica gradient sync
+    (dp="ddp", its wait a stream wait under the watchdog) and with FSDP2."""
+    mesh = make_mesh(device, False, pp=2, dp=2)
+    return {dp: _syncs_in_third_step(mesh, "1f1b", 16, dp=dp) for dp in ("ddp", "fsdp")}
 
 
 def large(device: str, rows: int = 4096, width: int = 4096) -> dict[str, float]:
@@ -152,6 +160,7 @@ def _dry_run() -> None:
         print("parity", plain, run_on_ranks(parity_all, 2, "cpu", plain, timeout=300)[0])
     print("fsdp", run_on_ranks(fsdp_parity, 4, "cpu", True, timeout=300)[0])
     print("syncs", run_on_ranks(host_syncs, 2, "cpu", timeout=300)[0])
+    print("syncs dp", run_on_ranks(host_syncs_dp, 4, "cpu", timeout=300)[0])
     print("large", run_on_ranks(large, 2, "cpu", 256, 256, timeout=300)[0])
     print("stage meshes", run_on_ranks(stage_meshes, 3, "cpu", timeout=300))
 

@@ -11,7 +11,7 @@ import pytest
 
 from meshpipe.testing import run_on_ranks
 
-from gpu_cases import fsdp_parity, host_syncs, large, parity_all, stage_meshes
+from gpu_cases import fsdp_parity, host_syncs, host_syncs_dp, large, parity_all, stage_meshes
 from parity import SCHEDULES
 
 ATOL = 1e-5  # fp32; TF32 off by default for matmuls in torch
@@ -41,6 +41,12 @@ def test_steady_state_step_has_no_host_sync() -> None:
     results = run_on_ranks(host_syncs, 2, "cuda", timeout=300, device="cuda")
     for rank, res in enumerate(results):
         assert res == {"1f1b": 0, "zbv": 0}, f"rank {rank}: {res}"
+
+
+def test_steady_state_step_with_dp_has_no_host_sync() -> None:
+    results = run_on_ranks(host_syncs_dp, 4, "cuda", timeout=300, device="cuda")
+    for rank, res in enumerate(results):
+        assert res == {"ddp": 0, "fsdp": 0}, f"rank {rank}: {res}"
 
 
 def test_64mib_activations_complete() -> None:

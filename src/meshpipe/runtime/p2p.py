@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -47,6 +48,7 @@ from meshpipe.runtime.layout import (
     join_values,
     part_rows,
 )
+from meshpipe.runtime.lookahead import RecvAhead, lookahead_budget
 from meshpipe.runtime.pytree import Spec, flatten, unflatten
 from meshpipe.runtime.reader import Reader
 from meshpipe.runtime.waits import Watchdog, translate, wait_work
@@ -173,6 +175,9 @@ class Comm:
         # (sends too) before the next is posted; on gloo, where large sends are rendezvous,
         # a program that is not deadlock-free then hangs for real
         self.strict = os.environ.get("MESHPIPE_P2P_STRICT", "") == "1"
+        # gloo: the step's receives posted with its first group (runtime/lookahead.py); NCCL
+        # and strict mode post the program exactly as written
+        self._ahead = RecvAhead(0 if channels.batched or self.strict else lookahead_budget())
         self._last_group: list[Any] = []
         self._waited: dict[int, Any] = {}  # id -> work (kept alive so ids stay unique)
         # descriptions first seen this step; the cache is only updated when the step ends
@@ -204,7 +209,8 @@ class Comm:
             )
             if mine:
                 self._program.setdefault(position, []).append(mine)
-        groups = [g for gs in self._program.values() for g in gs]
+        groups = [g for p in sorted(self._program) for g in self._program[p]]
+        self._ahead.load(groups, self._recv_bytes)
         recv_peers = {op.peer for g in groups for op in g if op.op == "recv"}
         self._send_peers = {op.peer for g in groups for op in g if op.op == "send"}
         for p in sorted(recv_peers):
@@ -278,17 +284,24 @@ class Comm:
                 self._wait(work, deadline, "the previous group (strict mode)", -1)
         ops: list[tuple[str, torch.Tensor, int]] = []
         recvs: list[_Recv] = []
+        posted = []  # what is posted now: sends first, then receives in program order
         for op in group:
             if op.op == "send":
                 self._prepare_send(op, self._outbox.pop((op.peer, op.transfer)), ops)
-            else:
-                recvs.append(self._prepare_recv(op, ops))
+                posted.append(op)
+        ahead = self._ahead.ahead()  # with the step's first group only
+        due = [op for op in group if op.op == "recv" and self._ahead.due(op)]
+        for op in (*ahead, *due):
+            recvs.append(self._prepare_recv(op, ops))
+            posted.append(op)
+        if not posted:
+            return
         works = self._issue(ops)
         self._last_group = works
         for r in recvs:
             r.works = [works[k] for k in r.op_indices]
             self._recvs[(r.peer, r.transfer)] = r
-        self.posted.append(group)
+        self.posted.append(tuple(posted))
 
     def _pieces(self, op: P2P) -> tuple[Piece, ...]:
         """The pieces of a pp-rank operation that this process sends or receives."""
@@ -405,6 +418,13 @@ class Comm:
         )
 
     # -- receiving ------------------------------------------------------------------------
+    def _recv_bytes(self, op: P2P) -> int:
+        """Bytes of the buffers a receive allocates (0: its value comes whole on ctrl)."""
+        desc = self.cache.recv.get(self._key(op.peer, op.transfer))
+        if desc is None:
+            return 0
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape, _rg in desc.leaves)
+
     def _prepare_recv(self, op: P2P, ops: list[tuple[str, torch.Tensor, int]]) -> _Recv:
         key = self._key(op.peer, op.transfer)
         desc = self.cache.recv.get(key)
@@ -493,8 +513,11 @@ class Comm:
                 for g in self._program[p]
             ]
         )
+        not_posted = self._ahead.pending()
         for group in rest:
             for op in group:
+                if op.op == "recv" and op not in not_posted:
+                    continue  # posted ahead of its group already
                 key = self._key(op.peer, op.transfer)
                 desc = (self.cache.send if op.op == "send" else self.cache.recv).get(key)
                 for dtype, shape, _rg in desc.leaves if desc is not None else ():
