@@ -25,20 +25,20 @@ at their next receive or at the end of the step and raise RemoteStageError.
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.runtime import wire
+from meshpipe.runtime.channels import Channels, Op, post_ops
+from meshpipe.runtime.descs import Desc, DescCache, DescKey, desc_bytes, describe, show_desc
 from meshpipe.runtime.layout import (
     Layout,
     Piece,
@@ -49,62 +49,17 @@ from meshpipe.runtime.layout import (
     part_rows,
 )
 from meshpipe.runtime.lookahead import RecvAhead, lookahead_budget
-from meshpipe.runtime.pytree import Spec, flatten, unflatten
+from meshpipe.runtime.pytree import unflatten
 from meshpipe.runtime.reader import Reader
 from meshpipe.runtime.waits import Watchdog, translate, wait_work
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.program import P2P
 
-__all__ = ["Comm", "DescCache", "Desc", "Channels"]
+__all__ = ["Comm"]
 
 log = logging.getLogger(__name__)
 
-DescKey = tuple[int, str, int, int, Hashable]  # (peer, kind, src, dst, input signature)
 _MAX_IN_FLIGHT = 16  # sends kept pending before the oldest is waited for
-
-
-class Desc(NamedTuple):
-    """What a receiver needs to allocate a value: structure and (dtype, shape, grad) of leaves."""
-
-    spec: Spec
-    leaves: tuple[tuple[torch.dtype, tuple[int, ...], bool], ...]
-
-
-def describe(value: Any) -> tuple[list[torch.Tensor], Desc]:
-    leaves, spec = flatten(value)
-    tensors = [t.detach() for t in leaves]
-    desc = Desc(spec, tuple((t.dtype, tuple(t.shape), bool(t.requires_grad)) for t in leaves))
-    return tensors, desc
-
-
-class DescCache:
-    """Descriptions per key, kept across steps by both ends of every stream alike."""
-
-    def __init__(self) -> None:
-        self.send: dict[DescKey, Desc] = {}
-        self.recv: dict[DescKey, Desc] = {}
-        self._ids: dict[Hashable, int] = {}
-
-    def intern(self, signature: Hashable) -> int:
-        """A small number standing for an input signature in description keys (a nested
-        tuple is hashed once per microbatch and step, not once per transfer)."""
-        return self._ids.setdefault(signature, len(self._ids))
-
-
-@dataclass(frozen=True)
-class Channels:
-    """The groups a Pipeline's transfers use: data (pp group) and ctrl (gloo, CPU)."""
-
-    data: dist.ProcessGroup
-    ctrl: dist.ProcessGroup
-    global_ranks: tuple[int, ...]  # process index (a peer) -> global rank
-    batched: bool  # post each group with batch_isend_irecv (NCCL) instead of one by one
-
-    @functools.cached_property
-    def data_ranks(self) -> tuple[int, ...]:
-        """Process index -> rank in the data group (posting on the group itself skips
-        torch.distributed's per-call argument checks, a large part of a gloo send's cost)."""
-        return tuple(dist.get_group_rank(self.data, g) for g in self.global_ranks)
 
 
 @dataclass
@@ -282,7 +237,7 @@ class Comm:
             deadline = time.monotonic() + self.timeout
             for work in self._last_group:
                 self._wait(work, deadline, "the previous group (strict mode)", -1)
-        ops: list[tuple[str, torch.Tensor, int]] = []
+        ops: list[Op] = []
         recvs: list[_Recv] = []
         posted = []  # what is posted now: sends first, then receives in program order
         for op in group:
@@ -376,7 +331,7 @@ class Comm:
     def _key(self, peer: int, t: Transfer) -> DescKey:
         return (peer, t.kind, t.src_stage, t.dst_stage, self.signatures[t.mb])
 
-    def _prepare_send(self, op: P2P, value: Any, ops: list[tuple[str, torch.Tensor, int]]) -> None:
+    def _prepare_send(self, op: P2P, value: Any, ops: list[Op]) -> None:
         tensors, desc = describe(value)
         transfer = op.transfer
         key = (
@@ -412,8 +367,8 @@ class Comm:
 
     def _changed(self, transfer: Transfer, desc: Desc, before: Desc) -> PipelineError:
         return PipelineError(
-            f"{transfer} has {_show(desc)} but an earlier microbatch with inputs of the same "
-            f"shapes gave {_show(before)}: values crossing stage boundaries must have shapes, "
+            f"{transfer} has {show_desc(desc)} but an earlier microbatch with inputs of the same "
+            f"shapes gave {show_desc(before)}: values crossing stage boundaries must have shapes, "
             "dtypes and structure that depend only on the shapes of the inputs"
         )
 
@@ -423,9 +378,9 @@ class Comm:
         desc = self.cache.recv.get(self._key(op.peer, op.transfer))
         if desc is None:
             return 0
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape, _rg in desc.leaves)
+        return desc_bytes(desc)
 
-    def _prepare_recv(self, op: P2P, ops: list[tuple[str, torch.Tensor, int]]) -> _Recv:
+    def _prepare_recv(self, op: P2P, ops: list[Op]) -> _Recv:
         key = self._key(op.peer, op.transfer)
         desc = self.cache.recv.get(key)
         r = _Recv(op.peer, op.transfer, key, desc)
@@ -470,9 +425,10 @@ class Comm:
         err = RemoteStageError(
             f"rank {self.rank} stopped: rank {fields['r']} failed: {fields['e']}"
         )
-        # a peer that itself timed out explains nothing to a rank that timed out too (both
-        # waited in the same hang): that rank reports its own timeout
-        err.peer_timed_out = str(fields["e"]).startswith("CommTimeoutError")  # type: ignore[attr-defined]
+        # a peer that itself timed out, or lost its connection (a timeout elsewhere closes
+        # gloo's connections), explains nothing to a rank that timed out too: both waited in
+        # the same hang, and that rank reports its own timeout
+        err.peer_waited = str(fields["e"]).startswith(("CommTimeoutError", "RemoteStageError"))  # type: ignore[attr-defined]
         return err
 
     def _raise_remote_error(self) -> None:
@@ -502,7 +458,7 @@ class Comm:
                 notices.append((self._ctrl_send(peer, msg), peer))
             except Exception:  # the peer may be gone already
                 log.debug("could not notify rank %d of the failure", peer, exc_info=True)
-        ops: list[tuple[str, torch.Tensor, int]] = []
+        ops: list[Op] = []
         rest = (
             []
             if not play_out
@@ -544,7 +500,7 @@ class Comm:
         self._recvs.clear()
 
     # -- transport --------------------------------------------------------------------
-    def _issue(self, ops: list[tuple[str, torch.Tensor, int]]) -> list[Any]:
+    def _issue(self, ops: list[Op]) -> list[Any]:
         if not ops:
             return []
         try:
@@ -565,23 +521,8 @@ class Comm:
             peer_name=names or None,
         )
 
-    def _issue_ops(self, ops: list[tuple[str, torch.Tensor, int]]) -> list[Any]:
-        ranks, group = self.ch.global_ranks, self.ch.data
-        if self.ch.batched:
-            p2p = [
-                dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, ranks[peer], group)
-                for kind, t, peer in ops
-            ]
-            batch = dist.batch_isend_irecv(p2p)
-            works: list[Any] = [batch[-1]] * len(ops) if len(batch) != len(ops) else list(batch)
-        else:  # gloo: one by one, on the group itself (what dist.isend/irecv end in)
-            to = self.ch.data_ranks
-            works = [
-                group.send([_real(t)], to[peer], 0)
-                if kind == "send"
-                else group.recv([_real(t)], to[peer], 0)
-                for kind, t, peer in ops
-            ]
+    def _issue_ops(self, ops: list[Op]) -> list[Any]:
+        works = post_ops(self.ch, ops)
         for w, (kind, t, peer) in zip(works, ops, strict=True):
             if kind == "send":
                 self._sends.append((w, [t], peer))
@@ -621,8 +562,9 @@ class Comm:
                 return
             self._waited[id(work)] = work
 
-        def text() -> str:
-            return f"rank {self.rank}: {what if isinstance(what, str) else what()} with rank {peer}"
+        def text() -> str:  # peer -1: a whole group, or a play-out, with any peer
+            with_peer = f" with rank {peer}" if peer >= 0 else ""
+            return f"rank {self.rank}: {what if isinstance(what, str) else what()}{with_peer}"
 
         if self._watchdog is not None:  # device work: never block the host on it
             work.wait()
@@ -633,18 +575,8 @@ class Comm:
             deadline - time.monotonic(),
             text,  # formatted only for an error: this is the hot path
             rank=self.rank,
-            peer=peer,
+            peer=peer if peer >= 0 else None,
             peer_name=None
             if peer < 0
             else lambda: f"rank {peer} (global rank {self.ch.global_ranks[peer]})",
         )
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """Complex tensors travel as their real view (as torch.distributed's isend does)."""
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def _show(desc: Desc) -> str:
-    shapes = ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for d, s, _ in desc.leaves)
-    return f"tensors ({shapes})"

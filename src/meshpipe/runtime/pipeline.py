@@ -18,7 +18,9 @@ from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.accumulate import Accumulator
 from meshpipe.runtime.agree import CallCheck, check_mode
+from meshpipe.runtime.channels import Channels
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
+from meshpipe.runtime.descs import DescCache
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
 from meshpipe.runtime.layout import gather_parts
@@ -32,7 +34,7 @@ from meshpipe.runtime.microbatch import (
     split_microbatches,
 )
 from meshpipe.runtime.modules import initial_mode, stage_modules
-from meshpipe.runtime.p2p import Channels, Comm, DescCache
+from meshpipe.runtime.p2p import Comm
 from meshpipe.runtime.reader import Reader
 from meshpipe.runtime.recompute import Policy, apply_policy, check_policy
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
@@ -427,7 +429,7 @@ class Pipeline:
             self._descs = DescCache()  # descriptions are unknown after a broken step
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
-            if isinstance(e, CommTimeoutError) and getattr(cause, "peer_timed_out", False):
+            if isinstance(e, CommTimeoutError) and getattr(cause, "peer_waited", False):
                 e.args = (f"{e}; meanwhile: {cause}",)  # both waited in one hang: keep both
                 cause = None
             if cause is not None and cause is not e and not isinstance(e, RemoteStageError):

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshpipe.errors import PipelineError
+from meshpipe.runtime.channels import Channels
 from meshpipe.runtime.layout import Layout
-from meshpipe.runtime.p2p import Channels
 
 __all__ = ["init_mesh", "init_default_group", "mesh_device", "Topology", "pp_channels"]
 
