@@ -3,10 +3,12 @@ checkpointing ("full") and with torch.compile (inductor) against eager, on 1f1b 
 one run (8 pre-norm MLP blocks of width 256, 4 microbatches of 64 rows).
 
     .venv/bin/python benchmarks/bench_features.py          # about a minute (compile: ~30 s)
+    .venv/bin/python benchmarks/bench_features.py --no-compile   # eager and checkpointing
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -30,14 +32,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _ranks(reps: int) -> dict[str, dict[str, float]]:
+def _ranks(reps: int, variants: list[str]) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
     mesh = meshpipe.init_mesh(pp=2)
     x, y = torch.randn(256, 256), torch.randn(256, 256)
     out: dict[str, dict[str, float]] = {}
     for name in ("1f1b", "zbv"):
         pipes = {}
-        for label, options in VARIANTS.items():
+        for label in variants:
+            options = VARIANTS[label]
             torch.manual_seed(0)
             net = nn.Sequential(*[mlp_block(256) for _ in range(8)])
             pipes[label] = meshpipe.Pipeline(
@@ -59,12 +62,16 @@ def _ranks(reps: int) -> dict[str, dict[str, float]]:
 
 
 def main() -> int:
-    res = run_on_ranks(_ranks, 2, 8, timeout=900)[0]
-    print("| schedule | " + " | ".join(VARIANTS) + " |")
-    print("|---|" + "---|" * len(VARIANTS))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-compile", action="store_true", help="skip compile=True (~30 s)")
+    args = ap.parse_args()
+    variants = [k for k in VARIANTS if not (args.no_compile and k == "compile=True")]
+    res = run_on_ranks(_ranks, 2, 8, variants, timeout=900)[0]
+    print("| schedule | " + " | ".join(variants) + " |")
+    print("|---|" + "---|" * len(variants))
     for name, row in res.items():
         eager = row["eager"]
-        cells = [f"{row[k]:.1f} ms ({row[k] / eager:.2f}x)" for k in VARIANTS]
+        cells = [f"{row[k]:.1f} ms ({row[k] / eager:.2f}x)" for k in variants]
         print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 

@@ -58,6 +58,32 @@ def _case(
     }, float(saved.bytes)
 
 
+class Counted(nn.Module):
+    """A Linear that counts its forward calls (forward and recomputations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def _forward_calls(mesh: Any, name: str, policy: Any) -> float:
+    """Forward calls per stage and microbatch in one step: 1, and 2 with checkpointing (the
+    recomputation runs once, also where the schedule splits backward into I and W)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[Counted() for _ in range(4)])
+    pipe = meshpipe.Pipeline(
+        net, mesh, name, num_microbatches=4, loss_fn=mse, activation_checkpointing=policy
+    )
+    pipe.step(torch.randn(8, D), target=torch.randn(8, D))
+    mine = [m for m in net if m.lin.weight.grad is not None]  # this rank's stages
+    return sum(m.calls for m in mine) / (4 * len(mine))
+
+
 def _is_block(name: str, module: nn.Module) -> bool:
     return isinstance(module, Block)
 
@@ -69,6 +95,9 @@ def _all(_: None = None) -> dict[str, Any]:
     for name in ("1f1b", "zbv", "zbh1"):
         for label, policy in (("none", None), ("full", "full"), ("blocks", _is_block)):
             out[f"{label}-{name}"], out[f"bytes-{label}-{name}"] = _case(mesh, name, policy)
+    for name in ("1f1b", "zbv"):
+        for label, policy in (("none", None), ("full", "full")):
+            out[f"calls-{label}-{name}"] = _forward_calls(mesh, name, policy)
     torch.manual_seed(0)
     out["traced-full"], _ = _case(mesh, "zbv", "full", model=Stack(num_blocks=4))
     torch.manual_seed(0)
@@ -100,3 +129,10 @@ def test_full_saves_several_times_fewer_bytes(results: Any, name: str) -> None:
     for rank, res in enumerate(results):
         without, full = res[f"bytes-none-{name}"], res[f"bytes-full-{name}"]
         assert full * 3 < without, f"rank {rank}: {full} bytes saved with 'full', {without} without"
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_the_forward_is_recomputed_once(results: Any, name: str) -> None:
+    for rank, res in enumerate(results):
+        assert res[f"calls-none-{name}"] == 1.0, f"rank {rank}: {res[f'calls-none-{name}']}"
+        assert res[f"calls-full-{name}"] == 2.0, f"rank {rank}: {res[f'calls-full-{name}']}"
