@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import meshpipe
+from meshpipe.runtime.stage import StageRunner
 from meshpipe.testing import run_on_ranks
 from split_models import Stack
 
@@ -19,7 +20,8 @@ from parity import Block, D, blocks, check_case, grad_diff, mse, refusal
 
 
 class _Saved:
-    """Bytes autograd saves for backward while active (what checkpointing reduces)."""
+    """Bytes autograd saves for backward while active: around F, what stays saved from a
+    microbatch's forward to its backward (what checkpointing reduces)."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -48,8 +50,18 @@ def _case(
     )
     torch.manual_seed(2)
     x, y = torch.randn(16, width), torch.randn(16, width)
-    with _Saved() as saved:
+    saved = _Saved()
+    forward = StageRunner.forward
+
+    def counted(runner: StageRunner, *args: Any, **kwargs: Any) -> Any:
+        with saved:  # what F leaves saved for the microbatch's backward
+            return forward(runner, *args, **kwargs)
+
+    StageRunner.forward = counted  # type: ignore[method-assign]
+    try:
         loss = pipe.step(x, target=y)
+    finally:
+        StageRunner.forward = forward  # type: ignore[method-assign]
     expected = mse(ref(x), y)
     expected.backward()
     return {
@@ -84,6 +96,22 @@ def _forward_calls(mesh: Any, name: str, policy: Any) -> float:
     return sum(m.calls for m in mine) / (4 * len(mine))
 
 
+def _dropout_replayed(mesh: Any, name: str) -> float:
+    """With dropout, "full" gives the gradients of the same step without checkpointing (the
+    replay draws the masks F drew)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5)) for _ in range(4)])
+    grads = []
+    for policy in (None, "full"):
+        pipe = meshpipe.Pipeline(
+            copy.deepcopy(net), mesh, name, 4, loss_fn=mse, activation_checkpointing=policy
+        )
+        torch.manual_seed(5)
+        pipe.step(torch.ones(8, D), target=torch.zeros(8, D))
+        grads.append([p.grad for _, p in pipe.named_parameters()])
+    return max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
+
+
 def _is_block(name: str, module: nn.Module) -> bool:
     return isinstance(module, Block)
 
@@ -98,6 +126,7 @@ def _all(_: None = None) -> dict[str, Any]:
     for name in ("1f1b", "zbv"):
         for label, policy in (("none", None), ("full", "full")):
             out[f"calls-{label}-{name}"] = _forward_calls(mesh, name, policy)
+        out[f"dropout-{name}"] = _dropout_replayed(mesh, name)
     torch.manual_seed(0)
     out["traced-full"], _ = _case(mesh, "zbv", "full", model=Stack(num_blocks=4))
     torch.manual_seed(0)
@@ -136,3 +165,9 @@ def test_the_forward_is_recomputed_once(results: Any, name: str) -> None:
     for rank, res in enumerate(results):
         assert res[f"calls-none-{name}"] == 1.0, f"rank {rank}: {res[f'calls-none-{name}']}"
         assert res[f"calls-full-{name}"] == 2.0, f"rank {rank}: {res[f'calls-full-{name}']}"
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_dropout_masks_are_replayed(results: Any, name: str) -> None:
+    for rank, res in enumerate(results):
+        assert res[f"dropout-{name}"] <= 1e-6, f"rank {rank}: {res[f'dropout-{name}']}"

@@ -170,14 +170,16 @@ class Pipeline:
         for s in sched.stages_of(topo.pp_rank):
             module = self._spmd.wrap(s, modules[s].to(topo.device))
             module.train(self._training)
-            # a recomputed forward would run twice with the I/W split (each backward call
-            # recomputes it afresh): such stages run their whole backward in I, W is empty
-            recomputes = self._recompute is not None
+            full = apply_policy(module, self._recompute, s)
+            compiled = compile_stage(module, self._compile)
+            # "full" on a plain stage replays its forward once, at I; torch.utils.checkpoint
+            # (chosen submodules, FSDP2, compiled stages) recomputes per backward call, so
+            # there the whole backward runs in I (W empty) rather than recomputing twice
+            replay = full and not compiled and self._spmd.dp != "fsdp"
             self._runners[s] = StageRunner(
                 s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,
-                loss_fn=self.loss_fn, autocast=self._autocast,
-                recompute=apply_policy(module, self._recompute, s),
-                fused_backward=compile_stage(module, self._compile) or recomputes,
+                loss_fn=self.loss_fn, autocast=self._autocast, recompute=full, replay=replay,
+                fused_backward=compiled or (self._recompute is not None and not replay),
             )  # fmt: skip
 
     def _ensure_split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

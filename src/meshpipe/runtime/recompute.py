@@ -12,12 +12,13 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["Policy", "check_policy", "apply_policy"]
+__all__ = ["Policy", "check_policy", "apply_policy", "Replay", "keeping_nothing"]
 
 Policy = str | Callable[[str, nn.Module], bool] | None
 
@@ -63,3 +64,44 @@ def apply_policy(stage: nn.Module, policy: Policy, stage_index: int) -> bool:
             f"as {[n for n, _ in stage.named_modules() if n][:5]})"
         )
     return False
+
+
+# -- "full" on plain stages: F keeps no activations, I runs the forward again ----------------
+#
+# torch.utils.checkpoint recomputes per backward call, so with the zero-bubble split (I and
+# W are two calls) it would recompute twice. Plain stages with "full" therefore *replay*
+# instead: F runs with autograd recording but every tensor it would save dropped (the
+# outputs keep their requires_grad, which the receiving stage relies on); I runs the
+# forward again, with F's random state, and both I and W use that one fresh graph.
+
+
+class Replay:
+    """What I needs to run a stage's forward again: its inputs and F's random state."""
+
+    def __init__(self, call: Callable[[], Any], device: torch.device) -> None:
+        self._call = call
+        self._device = device
+        self._cpu = torch.get_rng_state()
+        self._cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def run(self) -> Any:
+        """The forward again, recording its graph, with the random state F had."""
+        devices = [self._device] if self._cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self._cpu)
+            if self._cuda is not None:
+                torch.cuda.set_rng_state(self._cuda, self._device)
+            return self._call()
+
+
+def _drop(_t: torch.Tensor) -> None:
+    return None
+
+
+def _never(_packed: Any) -> torch.Tensor:
+    raise PipelineError("internal: the graph of a replayed stage's first forward was used")
+
+
+def keeping_nothing() -> Any:
+    """A context in which autograd records the graph but saves no tensor for backward."""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _never)

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.backward import WeightGrad, backward_full, backward_input
 from meshpipe.runtime.pytree import flatten, unflatten
+from meshpipe.runtime.recompute import Replay, keeping_nothing
 
 __all__ = ["StageRunner", "LossRecord", "as_stage_input"]
 
@@ -34,6 +35,7 @@ class _Saved:
     inputs: list[torch.Tensor] = field(default_factory=list)
     roots: list[Any] = field(default_factory=list)  # gradient edges of outputs (None: no grad)
     pending: WeightGrad | None = None
+    replay: Replay | None = None  # "full" by replay: runs the forward again (loss included)
     seed: torch.Tensor | None = None  # last stage: d(loss)/d(loss)
     layouts: list[Any] = field(default_factory=list)  # DTensor outputs: (mesh, placements)
 
@@ -64,13 +66,17 @@ class StageRunner:
         autocast: torch.dtype | None = None,
         recompute: bool = False,
         fused_backward: bool = False,
+        replay: bool = False,
     ) -> None:
         self.index = index
+        # "full" checkpointing by replay (runtime/recompute.py): F saves nothing, I runs the
+        # forward again and I and W share that graph; else torch.utils.checkpoint
+        self.replay = replay
         # a compiled stage's backward is one fused autograd node (weights and inputs at
         # once): I runs it whole and W has nothing left to do
         self.fused_backward = fused_backward
         self.autocast = autocast
-        self.recompute = recompute  # activation checkpointing of the whole stage
+        self.recompute = recompute and not replay  # torch.utils.checkpoint of the stage
         self.module = module
         self.is_first = is_first
         self.is_last = is_last
@@ -129,9 +135,32 @@ class StageRunner:
                 self.outputs[mb] = out
             return out
         inputs, _ = flatten(value)
-        out = self._call(value, args, kwargs)
         saved = _Saved(inputs=inputs)
         self._saved[mb] = saved
+        if self.replay:
+            saved.replay = Replay(
+                lambda: self._replayed(value, mb_inputs, target, share, mb), _device_of(self.module)
+            )
+            with keeping_nothing():
+                return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
+        return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
+
+    def _replayed(
+        self,
+        value: Any,
+        mb_inputs: tuple[tuple[Any, ...], dict[str, Any]],
+        target: Any,
+        share: float,
+        mb: int,
+    ) -> list[Any]:
+        """The output roots of F run again (the weighted loss on the last stage)."""
+        out = self._call(value, *mb_inputs)
+        if self.is_last:
+            return [_edge_of(self._loss(out, target, share, mb)[0])]
+        return [_edge_of(t) for t in flatten(out)[0]]
+
+    def _forward_kept(self, saved: _Saved, out: Any, target: Any, share: float, mb: int) -> Any:
+        """Keep what backward needs of F's ``out``; returns what F passes on."""
         if not self.is_last:
             leaves, _ = flatten(out)
             saved.roots = [_edge_of(t) for t in leaves]
@@ -177,6 +206,8 @@ class StageRunner:
     def backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         """B (``split=False``) or I (``split=True``); returns gradients of the stage inputs."""
         saved = self._saved[mb]
+        if saved.replay is not None:  # the forward again: I (or B) and W use this graph
+            saved.roots, saved.replay = saved.replay.run(), None
         if self.is_last:
             gs: list[torch.Tensor | None] = [saved.seed]
         else:
@@ -206,6 +237,10 @@ class StageRunner:
         saved = self._saved.pop(mb)
         if saved.pending is not None:
             saved.pending.run()
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _detached(value: Any) -> Any:
