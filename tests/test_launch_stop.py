@@ -153,11 +153,16 @@ def test_a_frozen_rank_is_ended_soon_after_the_timeout(tmp_path: Path) -> None:
     assert picture[0].startswith("root cause: global rank 0 exited with code 1,")
     assert picture[1].startswith("global rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 ")
     line = next(i for i, s in enumerate(STOP_SCRIPT.splitlines(), 1) if "# FREEZE" in s)
-    # SIGCONT let the frozen rank act on SIGTERM and say where it was
-    assert picture[2] == (
+    # SIGCONT let the frozen rank act on SIGTERM and say where it was. The kernel may hand
+    # SIGTERM to another of its threads, which runs only later on a loaded machine, so the
+    # main thread can begin its next step before it acts: then it says so (seen under load)
+    frozen_there = (
         "global rank 1 [pp=1 dp=0 tp=0] stopped while outside a pipeline step "
         f"(after 1 step(s)); at stop.py:{line} in main"
     )
+    assert picture[2] == frozen_there or picture[2].startswith(
+        "global rank 1 [pp=1 dp=0 tp=0] stopped while in step 1"
+    ), picture[2]
 
 
 # A rank that fails once the others are registered, one that ignores SIGTERM, a frozen
