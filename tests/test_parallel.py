@@ -31,7 +31,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train_case(mesh: Any, schedule: str, dp: str | None, tp: bool) -> dict[str, float]:
+def _train_case(
+    mesh: Any, schedule: str, dp: str | None, tp: bool, **options: Any
+) -> dict[str, float]:
     net = blocks(8)
     ref = copy.deepcopy(net)
     pipe = meshpipe.Pipeline(
@@ -42,6 +44,7 @@ def _train_case(mesh: Any, schedule: str, dp: str | None, tp: bool) -> dict[str,
         loss_fn=mse,
         dp=dp,
         tp_plan=TP_PLAN if tp else None,
+        **options,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -128,9 +131,14 @@ def _four() -> dict[str, Any]:
     for s in schedules:
         out[f"fsdp-{s}"] = _train_case(mesh, s, "fsdp", tp=False)
         out[f"ddp-{s}"] = _train_case(mesh, s, "ddp", tp=False)
+    # activation checkpointing: torch's checkpoint with FSDP2 (whole backward in I), the
+    # replay with TP (the forward's collectives run again at I)
+    full = {"activation_checkpointing": "full"}
+    out["fsdp-zbv-checkpointed"] = _train_case(mesh, "zbv", "fsdp", tp=False, **full)
     tp_mesh = meshpipe.init_mesh(pp=2, tp=2)
     for s in schedules:
         out[f"tp-{s}"] = _train_case(tp_mesh, s, None, tp=True)
+    out["tp-zbv-checkpointed"] = _train_case(tp_mesh, "zbv", None, tp=True, **full)
     out["errors"] = _errors(tp_mesh)
     out["dtensor_boundary"] = dtensor_case(tp_mesh)
     out["bf16"] = _bf16_case(mesh)
@@ -157,7 +165,17 @@ def four() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "case", ["fsdp-1f1b", "fsdp-zbv", "ddp-1f1b", "ddp-zbv", "tp-1f1b", "tp-zbv"]
+    "case",
+    [
+        "fsdp-1f1b",
+        "fsdp-zbv",
+        "ddp-1f1b",
+        "ddp-zbv",
+        "tp-1f1b",
+        "tp-zbv",
+        "fsdp-zbv-checkpointed",
+        "tp-zbv-checkpointed",
+    ],
 )
 def test_three_adamw_steps_match_one_process(four: list[dict[str, Any]], case: str) -> None:
     check_case(four, case, ATOL)
