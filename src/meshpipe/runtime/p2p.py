@@ -333,15 +333,8 @@ class Comm:
 
     def _prepare_send(self, op: P2P, value: Any, ops: list[Op]) -> None:
         tensors, desc = describe(value)
-        transfer = op.transfer
-        key = (
-            op.peer,
-            transfer.kind,
-            transfer.src_stage,
-            transfer.dst_stage,
-            self.signatures[transfer.mb],
-        )
-        stream = (transfer.kind, op.peer)
+        key = self._key(op.peer, op.transfer)
+        stream = (op.transfer.kind, op.peer)
         payload = 0
         for x in tensors:
             payload += x.numel() * x.element_size()
