@@ -8,8 +8,7 @@ weights) does not fire, so meshpipe launches the same bucketed all-reduce itself
 
 from __future__ import annotations
 
-import datetime
-import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,19 +45,13 @@ class GradSync:
             self._flat.append((flat, group))
         self._work = works
 
-    def finish(self, timeout: float, watchdog: Any = None) -> None:
-        """Wait (at most ``timeout`` seconds) for the all-reduce and point each gradient at
-        its slice of the result. With a ``watchdog`` (CUDA) the wait is a stream wait,
-        bounded by the watchdog: NCCL's wait with a timeout would block the host."""
+    def finish(self, wait: Callable[[Any], None]) -> None:
+        """Wait for the all-reduce with ``wait(work)`` (the runtime's bounded wait: on the
+        host, or a stream wait on CUDA) and point each gradient at its slice of the result."""
         if self._work is None:
             return
-        deadline = time.monotonic() + timeout
         for w in self._work:
-            if watchdog is not None:
-                w.wait()
-                watchdog.watch(w, deadline, "the gradient all-reduce over dp (ddp)")
-            else:
-                w.wait(timeout=datetime.timedelta(seconds=timeout))
+            wait(w)
         for flat, group in self._flat:
             offset = 0
             for p in group:

@@ -5,7 +5,6 @@ step never waits for the GPU on the host (on CPU the same code simply runs)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,17 +12,9 @@ import torch
 import torch.distributed as dist
 
 from meshpipe.runtime.stage import LossRecord
-from meshpipe.runtime.waits import Watchdog, wait_work
+from meshpipe.runtime.waits import Watchdog, wait_bounded, wait_work
 
 __all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
-
-
-def _wait(work: Any, timeout: float, what: str, watchdog: Watchdog | None) -> None:
-    if watchdog is None:
-        wait_work(work, timeout, what)
-    else:  # a stream wait; the watchdog bounds it without blocking the host
-        work.wait()
-        watchdog.watch(work, time.monotonic() + timeout, what)
 
 
 def reduce_loss(
@@ -58,14 +49,14 @@ def reduce_loss(
     dp_size = 1
     if stage_meshes:
         work = dist.all_reduce(buf, group=pp_group, async_op=True)
-        _wait(work, timeout, "the loss all-reduce over the stage meshes", watchdog)
+        wait_bounded(work, timeout, "the loss all-reduce over the stage meshes", watchdog)
     elif dist.get_world_size(pp_group) > 1:
         work = dist.broadcast(buf, src=last_stage_global_rank, group=pp_group, async_op=True)
-        _wait(work, timeout, "the loss broadcast over pp", watchdog)
+        wait_bounded(work, timeout, "the loss broadcast over pp", watchdog)
     if dp_group is not None and not stage_meshes:
         dp_size = dist.get_world_size(dp_group)
         work = dist.all_reduce(buf, group=dp_group, async_op=True)
-        _wait(work, timeout, "the loss all-reduce over dp", watchdog)
+        wait_bounded(work, timeout, "the loss all-reduce over dp", watchdog)
     # read nothing on the host: a total count of 0 gives inf/nan, as in plain PyTorch
     is_pair = buf[2] > 0.5 * dp_size  # stage meshes: one 1 per contributing process
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
@@ -89,7 +80,7 @@ def reduce_grads(
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
             flat = torch.cat([g.reshape(-1) for g in grads])
             work = dist.all_reduce(flat, group=dp_group, async_op=True)
-            _wait(work, timeout, "the gradient all-reduce over dp", watchdog)
+            wait_bounded(work, timeout, "the gradient all-reduce over dp", watchdog)
             offset = 0
             for p in group:
                 n = p.numel()

@@ -18,6 +18,7 @@ from meshpipe.parallel import (
 )
 from meshpipe.parallel.fsdp_plan import plan_fsdp
 from meshpipe.runtime.topology import Topology
+from meshpipe.runtime.waits import Watchdog, wait_bounded
 from meshpipe.schedule.ir import Action, Op, Schedule
 
 __all__ = ["Spmd", "DP_MODES"]
@@ -137,12 +138,14 @@ class Spmd:
             )
         return before, after
 
-    def finish_step(self, timeout: float, watchdog: Any = None) -> float:
+    def finish_step(self, timeout: float, watchdog: Watchdog | None = None) -> float:
         """Wait for replica reductions (stream waits under a CUDA ``watchdog``); returns the
         factor the reduced grads still need relative to a plain sum over dp (FSDP2
         averages, so it needs ``dp_size``)."""
         for sync in self._syncs.values():
-            sync.finish(timeout, watchdog)
+            sync.finish(
+                lambda w: wait_bounded(w, timeout, "the gradient all-reduce over dp", watchdog)
+            )
         return float(self.topo.dp_size) if self._fsdp else 1.0
 
     @property

@@ -10,7 +10,7 @@ from typing import Any
 
 from meshpipe.errors import CommTimeoutError, RemoteStageError
 
-__all__ = ["wait_work", "translate", "Watchdog"]
+__all__ = ["wait_work", "wait_bounded", "translate", "Watchdog"]
 
 
 _GONE = ("closed by peer", "connection reset", "broken pipe", "remote process exited")
@@ -113,3 +113,14 @@ class Watchdog:
                 if not keep:
                     self._thread = None
                     return
+
+
+def wait_bounded(work: Any, timeout: float, what: str, watchdog: Watchdog | None) -> None:
+    """Wait for a collective's ``work``: on the host for at most ``timeout`` seconds, or,
+    with a ``watchdog`` (CUDA), as a stream wait the watchdog bounds (NCCL's wait with a
+    timeout would block the host until the collective ends)."""
+    if watchdog is None:
+        wait_work(work, timeout, what)
+    else:
+        work.wait()
+        watchdog.watch(work, time.monotonic() + timeout, what)
