@@ -95,7 +95,12 @@ def _bf16_case(mesh: Any) -> dict[str, float]:
     net = blocks(4)
     ref = copy.deepcopy(net)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 4, mse, dp="fsdp", mp_policy=policy)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # the bf16 output upcast: torch 2.11's mse_loss backward refuses bf16 against fp32
+        return mse(out.float(), y)
+
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 4, loss_fn, dp="fsdp", mp_policy=policy)
     received: list[torch.dtype] = []
     if mesh.get_local_rank("pp") == 1:  # what arrives over the wire, before FSDP2's cast
         pipe.stages[0].register_forward_pre_hook(

@@ -47,6 +47,16 @@ def fsdp_reduce(module: FSDPModule, sync: bool = True) -> None:
     module.set_is_last_backward(True)
     state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
     for st in state._state_ctx.all_states:
-        for group in st._fsdp_param_groups:
+        for group in _param_groups(st):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def _param_groups(st: Any) -> list[Any]:
+    """An FSDP state's parameter groups: a list in newer torch (``_fsdp_param_groups``, 2.13),
+    one group or None in older (``_fsdp_param_group``, 2.11)."""
+    groups = getattr(st, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = st._fsdp_param_group
+    return [] if group is None else [group]
