@@ -37,3 +37,21 @@ def test_pure_layers_do_not_import_torch() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "TORCH: []" in proc.stdout, proc.stdout
+
+
+def test_torch_older_than_tested_is_warned_about_once() -> None:
+    import warnings
+
+    import pytest
+
+    from meshpipe.runtime.compat import TESTED_TORCH, check_torch_version
+
+    assert TESTED_TORCH[0] == (2, 11)
+    with pytest.warns(RuntimeWarning, match=r"tested on torch 2\.11 .*this is torch 2\.6\.0"):
+        assert check_torch_version("2.6.0+cu124") is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tested versions, and the second call: no warning
+        assert check_torch_version("2.6.0+cu124") is False
+        assert check_torch_version("2.11.0+cu130") is True
+        assert check_torch_version("2.13.0+cpu") is True
+        assert check_torch_version("3.0.0a0") is True

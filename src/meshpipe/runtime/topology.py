@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.channels import Channels
+from meshpipe.runtime.compat import check_torch_version
 from meshpipe.runtime.layout import Layout
 
 __all__ = ["init_mesh", "init_default_group", "mesh_device", "Topology", "pp_channels"]
@@ -42,6 +43,7 @@ def init_mesh(
     group works too: the Pipeline makes the CPU-side group it needs itself.
     ``timeout`` bounds collectives (seconds).
     """
+    check_torch_version()
     sizes = tuple(_check_degree(n, v) for n, v in zip(AXES, (pp, dp, tp)))
     device_type = init_default_group(device_type, timeout)
     world = dist.get_world_size()
@@ -103,6 +105,7 @@ class Topology:
     def from_mesh(
         cls, mesh: DeviceMesh, pp_axis: str = "pp", dp_axis: str = "dp", tp_axis: str = "tp"
     ) -> Topology:
+        check_torch_version()
         names = tuple(mesh.mesh_dim_names or ())
         if pp_axis not in names:
             raise PipelineError(
