@@ -66,6 +66,13 @@ def _cases(_: None = None) -> dict[str, Any]:
     xv = x + rank  # same shapes, other values on rank 1
     out["values"] = _outcome(lambda: values.step(xv, target=y))
     out["values_default_off"] = _outcome(lambda: pipe.step(xv, target=y))
+    first = meshpipe.Pipeline(
+        blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse, check_inputs="first_values"
+    )
+    out["first_values"] = _outcome(lambda: first.step(xv, target=y))  # refused: not checked yet
+    out["first_values_same"] = _outcome(lambda: first.step(x, target=y))  # compared, passes
+    out["first_values_later"] = _outcome(lambda: first.step(xv, target=y))  # shapes only now
+    out["first_values_eval"] = _outcome(lambda: first.eval_step(xv, target=y))  # a new kind
     pipe.zero_grad()
     out["still_works"] = _outcome(lambda: pipe.step(x, target=y))
     return out
@@ -113,6 +120,15 @@ def test_values_checked_only_when_asked(results: list[Any]) -> None:
     _both(results, "values", "PipelineError", "values")
     for res in results:
         assert res["values_default_off"]["kind"] == "none"
+
+
+def test_first_values_compares_the_first_passing_call_of_each_kind(results: list[Any]) -> None:
+    # the default with stage meshes on CUDA: values read on the host once, not every step
+    _both(results, "first_values", "PipelineError", "values")
+    _both(results, "first_values_eval", "PipelineError", "values")
+    for res in results:
+        assert res["first_values_same"]["kind"] == "none", res["first_values_same"]
+        assert res["first_values_later"]["kind"] == "none", res["first_values_later"]
 
 
 def test_pipeline_still_works_after_refusals(results: list[Any]) -> None:

@@ -318,10 +318,12 @@ def _three() -> dict[str, Any]:
     out["eval"] = _eval_case()
     out["every_schedule"] = _every_schedule()
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
-    # check_inputs="values" (the stage-mesh default) reads the inputs on the host: "shapes"
+    # "first_values" (the stage-mesh default on CUDA) reads the inputs on the first step
+    # only; "values" (the default on CPU) on every step: the control that the count sees it
     out["host_reads"] = {
-        name: host_reads(meshes, name, check_inputs="shapes") for name in ("1f1b", "zbv")
+        name: host_reads(meshes, name, check_inputs="first_values") for name in ("1f1b", "zbv")
     }
+    out["host_reads_values"] = host_reads(meshes, "1f1b", check_inputs="values")
     out["pytrees_and_shapes"] = _pytrees_and_shapes()
     out["failure"] = _failure()
     try:
@@ -643,6 +645,7 @@ def test_steady_state_step_reads_nothing_on_the_host(three: list[dict[str, Any]]
     """The piece layer adds no host reads (what would make a GPU step wait on the host)."""
     for rank, res in enumerate(three):
         assert res["host_reads"] == {"1f1b": [], "zbv": []}, (rank, res["host_reads"])
+        assert any("agree.py" in r for r in res["host_reads_values"]), res["host_reads_values"]
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

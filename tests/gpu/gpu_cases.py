@@ -96,7 +96,7 @@ def fsdp_parity(device: str, plain: bool) -> dict[str, dict[str, float]]:
 def _syncs_in_third_step(mesh: Any, name: str, rows: int, **options: Any) -> int:
     """Synchronising CUDA calls in a steady-state step (the third), m=8 (0 on a CPU run)."""
     pipe = meshpipe.Pipeline(blocks(8), mesh, name, num_microbatches=8, loss_fn=mse, **options)
-    dev = _dev(mesh)
+    dev = _dev(mesh[0] if isinstance(mesh, list) else mesh)  # stage meshes: a list
     x, y = torch.randn(rows, 16, device=dev), torch.randn(rows, 16, device=dev)
     for _ in range(2):
         pipe.step(x, target=y)
@@ -147,9 +147,13 @@ def large(device: str, rows: int = 4096, width: int = 4096) -> dict[str, float]:
 
 def stage_meshes(device: str) -> dict[str, dict[str, float]]:
     """Stage meshes [{"tp": 1}, {"dp": 2}] (3 processes): 1f1b and zbv, one step against one
-    process on the whole batch, with the loss on the device; forward's whole batch."""
+    process on the whole batch, with the loss on the device; forward's whole batch; and
+    ``steady_state.host_syncs``, 0 expected: the default call check compares input values
+    on the first step only on CUDA ("first_values")."""
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}], device_type=device)
-    return {name: _one_step(meshes, name, _dev(meshes[0]), 13) for name in ("1f1b", "zbv")}
+    out = {name: _one_step(meshes, name, _dev(meshes[0]), 13) for name in ("1f1b", "zbv")}
+    out["steady_state"] = {"host_syncs": float(_syncs_in_third_step(meshes, "1f1b", 32))}
+    return out
 
 
 def _dry_run() -> None:

@@ -55,7 +55,7 @@ def test_64mib_activations_complete() -> None:
         assert res == {"1f1b": 1.0, "interleaved_1f1b": 1.0, "zbv": 1.0}, f"rank {rank}: {res}"
 
 
-def test_stage_meshes_match_one_process() -> None:
+def test_stage_meshes_match_one_process_without_host_syncs() -> None:
     results = run_on_ranks(stage_meshes, 3, "cuda", timeout=300, device="cuda")
     for rank, res in enumerate(results):
         for name, figures in res.items():

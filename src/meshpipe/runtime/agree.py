@@ -4,9 +4,10 @@ ranks and what differs, instead of computing a wrong number or waiting until a t
 
 The fingerprint is a few short texts (schedule, microbatch count, mode, the structure,
 shapes and dtypes of inputs and target; with ``check_inputs="values"`` also a hash of every
-input tensor's bytes). Each rank sends one 8-byte digest per field over the CPU-side group
-(one small all-gather); only when digests differ do the ranks exchange the texts to say
-what differs.
+input tensor's bytes, read on the host; with ``"first_values"`` that hash on the first call
+of each kind only, so later steps on a GPU read nothing). Each rank sends one 8-byte digest
+per field over the CPU-side group (one small all-gather); only when digests differ do the
+ranks exchange the texts to say what differs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError
 from meshpipe.runtime.pytree import flatten
+from meshpipe.runtime.stage_meshes import is_stage_meshes
 from meshpipe.runtime.waits import wait_work
 from meshpipe.schedule.ir import Schedule
 
@@ -34,7 +36,7 @@ __all__ = [
     "schedule_digest",
 ]
 
-CHECKS = ("shapes", "values", "off")
+CHECKS = ("shapes", "values", "first_values", "off")
 
 
 def _describe(value: Any, path: str, out: list[str], values: list[torch.Tensor]) -> None:
@@ -191,12 +193,19 @@ def check_locally(args: tuple[Any, ...], target: Any, training: bool, has_loss: 
         raise PipelineError("step()/forward() need at least one positional input")
 
 
-def check_mode(check_inputs: str | None, stage_meshes: bool) -> str:
-    """The call check a Pipeline runs: ``check_inputs``, or by default "shapes" ("values"
-    with stage meshes, where every process must pass the whole batch: a process passing
-    its own slice, the uniform mesh's habit, would otherwise train on the wrong rows)."""
+def check_mode(check_inputs: str | None, mesh: object) -> str:
+    """The call check a Pipeline runs: ``check_inputs``, or by default "shapes". With stage
+    meshes every process must pass the whole batch (a process passing its own slice, the
+    uniform mesh's habit, would otherwise train on the wrong rows), so the default compares
+    values: on every call on CPU ("values"), on the first call of each kind on CUDA
+    ("first_values": reading the inputs on the host is a synchronisation; a loop that passes
+    slices does so from its first step)."""
     if check_inputs is None:
-        check_inputs = "values" if stage_meshes else "shapes"
+        if not is_stage_meshes(mesh):
+            check_inputs = "shapes"
+        else:
+            cuda = getattr(mesh[0], "device_type", "cpu") == "cuda"  # type: ignore[index]
+            check_inputs = "first_values" if cuda else "values"
     if check_inputs not in CHECKS:
         raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
     return check_inputs
@@ -212,6 +221,7 @@ class CallCheck:
         self.mode = mode
         self._group, self._size, self._rank, self._timeout = group, size, rank, timeout
         self._digests: dict[int, str] = {}
+        self._values_seen: set[str] = set()  # "first_values": kinds of call already compared
 
     def start(
         self,
@@ -227,18 +237,22 @@ class CallCheck:
         """Start checking a call (the digests travel while the step begins); returns the
         *gate* that finishes the checks, identically on every process."""
         agreement: Agreement | None = None
-        if self.mode != "off":
+        kind = call.split(" ", 1)[0]  # "step", "eval_step", "forward"
+        mode = self.mode
+        if mode == "first_values":  # every process's state moves alike: same mode everywhere
+            mode = "shapes" if kind in self._values_seen else "values"
+        if mode != "off":
             digest = self._digests.get(id(schedule))
             if digest is None:
                 digest = self._digests[id(schedule)] = schedule_digest(schedule)
-            fields = fingerprint(
-                call, schedule, digest, args, kwargs, target, train_mode, self.mode
-            )
+            fields = fingerprint(call, schedule, digest, args, kwargs, target, train_mode, mode)
             agreement = Agreement(fields, self._group, self._size, self._timeout, self._rank)
 
         def gate() -> None:
             if agreement is not None:
                 agreement.check()
+                if mode == "values" and self.mode == "first_values":
+                    self._values_seen.add(kind)
             check_locally(args, target, training, has_loss)
 
         return gate

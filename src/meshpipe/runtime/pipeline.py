@@ -68,8 +68,10 @@ class Pipeline:
     calls; each rank keeps only its own stages. Before any transfer, the pp ranks agree that
     they were given the same call (schedule, microbatch count, mode, input and target
     structure, shapes and dtypes; ``check_inputs="values"`` also compares the input values,
-    the default with stage meshes, where every process must pass the whole batch; ``"off"``
-    skips it): a difference raises PipelineError on every rank naming it.
+    the default with stage meshes on CPU, where every process must pass the whole batch;
+    ``"first_values"`` compares them on the first call of each kind only, the default with
+    stage meshes on CUDA; ``"off"`` skips it): a difference raises PipelineError on every
+    rank naming it.
     ``autocast=torch.bfloat16`` runs every stage's forward and the loss under
     ``torch.autocast`` (fp32 parameters and gradients, bf16 compute and activations on the
     wire), with or without FSDP2.
@@ -102,7 +104,7 @@ class Pipeline:
         activation_checkpointing: Policy = None,
         compile: CompileOption = False,
     ) -> None:
-        self.check_inputs = check_mode(check_inputs, is_stage_meshes(mesh))
+        self.check_inputs = check_mode(check_inputs, mesh)
         if autocast is not None and not (
             isinstance(autocast, torch.dtype) and autocast in (torch.bfloat16, torch.float16)
         ):
