@@ -4,6 +4,7 @@ can be dry-run on CPU over gloo (``python tests/gpu/gpu_cases.py``) before it me
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import sys
 import warnings
@@ -19,18 +20,24 @@ import meshpipe  # noqa: E402
 
 from parity import SCHEDULES, blocks, dp_batch, grad_diff, mse  # noqa: E402
 
+# a hang ends in a CommTimeoutError on every rank within this, not in the test's own
+# timeout: a lent GPU's minutes are few
+WAIT = 60.0
+
 
 def make_mesh(device: str, plain: bool, **degrees: int) -> Any:
     """``init_mesh``'s defaults, or a mesh built the torchtitan way on a plain NCCL group
     (plain gloo on a CPU dry run)."""
     if not plain:
-        return meshpipe.init_mesh(device_type=device, **degrees)  # type: ignore[arg-type]
+        return meshpipe.init_mesh(device_type=device, timeout=WAIT, **degrees)  # type: ignore[arg-type]
     from torch.distributed.device_mesh import init_device_mesh
 
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=WAIT)
+    )
     names = tuple(degrees)
     return init_device_mesh(device, tuple(degrees.values()), mesh_dim_names=names)
 
@@ -48,7 +55,7 @@ def _one_step(mesh: Any, name: str, dev: torch.device, rows: int) -> dict[str, f
     ref = copy.deepcopy(net).to(dev)
     torch.manual_seed(1)
     x, y = torch.randn(rows, 16, device=dev), torch.randn(rows, 16, device=dev)
-    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse)
+    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse, timeout=WAIT)
     loss = pipe.step(x, target=y)
     expected = mse(ref(x), y)
     expected.backward()
@@ -80,7 +87,9 @@ def fsdp_parity(device: str, plain: bool) -> dict[str, dict[str, float]]:
         ref = copy.deepcopy(net).to(dev)
         torch.manual_seed(1)
         x, y = torch.randn(16, 16, device=dev), torch.randn(16, 16, device=dev)
-        pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse, dp="fsdp")
+        pipe = meshpipe.Pipeline(
+            net, mesh, name, num_microbatches=4, loss_fn=mse, dp="fsdp", timeout=WAIT
+        )
         loss = pipe.step(dp_batch(x, mesh), target=dp_batch(y, mesh))
         expected = mse(ref(x), y)
         expected.backward()
@@ -95,7 +104,9 @@ def fsdp_parity(device: str, plain: bool) -> dict[str, dict[str, float]]:
 
 def _syncs_in_third_step(mesh: Any, name: str, rows: int, **options: Any) -> int:
     """Synchronising CUDA calls in a steady-state step (the third), m=8 (0 on a CPU run)."""
-    pipe = meshpipe.Pipeline(blocks(8), mesh, name, num_microbatches=8, loss_fn=mse, **options)
+    pipe = meshpipe.Pipeline(
+        blocks(8), mesh, name, num_microbatches=8, loss_fn=mse, timeout=WAIT, **options
+    )
     dev = _dev(mesh[0] if isinstance(mesh, list) else mesh)  # stage meshes: a list
     x, y = torch.randn(rows, 16, device=dev), torch.randn(rows, 16, device=dev)
     for _ in range(2):

@@ -20,7 +20,7 @@ ATOL = 1e-5  # fp32; TF32 off by default for matmuls in torch
 @pytest.mark.parametrize("plain", [False, True], ids=["init_mesh", "plain_nccl"])
 def test_every_schedule_matches_one_process(plain: bool) -> None:
     results: list[dict[str, Any]] = run_on_ranks(
-        parity_all, 2, "cuda", plain, timeout=300, device="cuda"
+        parity_all, 2, "cuda", plain, timeout=200, device="cuda"
     )
     for rank, res in enumerate(results):
         for name in SCHEDULES:
@@ -30,7 +30,7 @@ def test_every_schedule_matches_one_process(plain: bool) -> None:
 
 @pytest.mark.parametrize("plain", [False, True], ids=["init_mesh", "plain_nccl"])
 def test_fsdp2_pp2_dp2_matches_one_process(plain: bool) -> None:
-    results = run_on_ranks(fsdp_parity, 4, "cuda", plain, timeout=300, device="cuda")
+    results = run_on_ranks(fsdp_parity, 4, "cuda", plain, timeout=200, device="cuda")
     for rank, res in enumerate(results):
         for name, figures in res.items():
             for metric, value in figures.items():
@@ -38,25 +38,25 @@ def test_fsdp2_pp2_dp2_matches_one_process(plain: bool) -> None:
 
 
 def test_steady_state_step_has_no_host_sync() -> None:
-    results = run_on_ranks(host_syncs, 2, "cuda", timeout=300, device="cuda")
+    results = run_on_ranks(host_syncs, 2, "cuda", timeout=200, device="cuda")
     for rank, res in enumerate(results):
         assert res == {"1f1b": 0, "zbv": 0}, f"rank {rank}: {res}"
 
 
 def test_steady_state_step_with_dp_has_no_host_sync() -> None:
-    results = run_on_ranks(host_syncs_dp, 4, "cuda", timeout=300, device="cuda")
+    results = run_on_ranks(host_syncs_dp, 4, "cuda", timeout=200, device="cuda")
     for rank, res in enumerate(results):
         assert res == {"ddp": 0, "fsdp": 0}, f"rank {rank}: {res}"
 
 
 def test_64mib_activations_complete() -> None:
-    results = run_on_ranks(large, 2, "cuda", timeout=400, device="cuda")
+    results = run_on_ranks(large, 2, "cuda", timeout=220, device="cuda")
     for rank, res in enumerate(results):
         assert res == {"1f1b": 1.0, "interleaved_1f1b": 1.0, "zbv": 1.0}, f"rank {rank}: {res}"
 
 
 def test_stage_meshes_match_one_process_without_host_syncs() -> None:
-    results = run_on_ranks(stage_meshes, 3, "cuda", timeout=300, device="cuda")
+    results = run_on_ranks(stage_meshes, 3, "cuda", timeout=200, device="cuda")
     for rank, res in enumerate(results):
         for name, figures in res.items():
             for metric, value in figures.items():
