@@ -166,3 +166,22 @@ def test_version_and_public_names(capsys: Any) -> None:
     assert {"cli", "testing", "runtime"}.isdisjoint(meshpipe.__all__)
     assert {"Pipeline", "P2P", "p2p_program", "REPLICATE", "checkpoint"} <= set(meshpipe.__all__)
     assert repr(meshpipe.REPLICATE) == "REPLICATE"
+
+
+def test_python_dash_m_meshpipe_runs_the_command() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "meshpipe", "show", "1f1b", "--ranks", "2", "--microbatches", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "rank  1 | 1F0 1B0 1F1 1B1" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "meshpipe", "show", "nope"], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "nope" in bad.stderr

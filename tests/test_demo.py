@@ -22,7 +22,7 @@ from meshpipe.demo.measure import (
     replica_bubble,
     stage_costs,
 )
-from meshpipe.demo.options import add_demo_args, parse_mesh, resolve
+from meshpipe.demo.options import add_demo_args, parse_mesh, resolve, to_argv
 from meshpipe.demo.text import Batches, CharTokenizer, make_text
 
 SCHEDULE = "zbv" if "zbv" in schedule_names() else "1f1b"
@@ -94,6 +94,25 @@ def test_options_mesh_and_ranks() -> None:
         resolve(_opts("--mesh", "pp=2,dp=2", "--ranks", "3"))
     with pytest.raises(ValueError, match="pp must be >= 2"):
         resolve(_opts("--mesh", "pp=1,dp=2"))
+
+
+def test_device_options_and_their_round_trip() -> None:
+    parser = argparse.ArgumentParser()
+    add_demo_args(parser)
+    assert resolve(_opts("--device", "cpu")).device == "cpu"
+    with pytest.raises(ValueError, match="--share-gpu goes with --device cuda"):
+        resolve(_opts("--share-gpu"))
+    if torch.cuda.is_available():
+        shared = resolve(_opts("--device", "cuda", "--share-gpu"))
+        assert (shared.device, shared.share_gpu) == ("cuda", True)
+        assert resolve(parser.parse_args(to_argv(shared))) == shared
+    else:
+        with pytest.raises(ValueError, match="needs a GPU; this machine has none"):
+            resolve(_opts("--device", "cuda", "--share-gpu"))
+        with pytest.raises(ValueError, match="needs one GPU per rank: 4 ranks but 0"):
+            resolve(_opts("--device", "cuda"))
+    plain = resolve(_opts("--steps", "3"))
+    assert resolve(parser.parse_args(to_argv(plain))) == plain  # every rank parses it back
 
 
 def test_cli_refuses_bad_demo_options_before_starting(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_on_ranks", "RankFailure", "free_port"]
+__all__ = ["run_on_ranks", "RankFailure", "free_port", "share_gpu"]
 
 
 class RankFailure(RuntimeError):
@@ -31,6 +31,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def share_gpu(rank: int, label: str = "test") -> None:
+    """Let this process share a GPU with other ranks of its job, for tests and demos, never
+    for training: NCCL refuses two ranks on one GPU ("Duplicate GPU detected") unless each
+    process claims a host of its own; it then joins them over its socket transport on the
+    loopback interface (far slower than GPU links). Call before the process group exists."""
+    os.environ.update(NCCL_HOSTID=f"meshpipe-{label}-host-{rank}", NCCL_SOCKET_IFNAME="lo")
+    os.environ.setdefault("NCCL_IB_DISABLE", "1")
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -42,11 +51,7 @@ def _worker(
     device: str,
 ) -> None:
     if device == "cuda":
-        # a testing aid, never for training: NCCL refuses two ranks on one GPU ("Duplicate
-        # GPU detected") unless each process claims a host of its own; it then joins them
-        # over its socket transport on the loopback interface
-        os.environ.update(NCCL_HOSTID=f"meshpipe-test-host-{rank}", NCCL_SOCKET_IFNAME="lo")
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        share_gpu(rank)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

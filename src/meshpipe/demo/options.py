@@ -42,6 +42,7 @@ class DemoOptions:
     seed: int
     layers: int  # 0: as many as needed, at least 4
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+    share_gpu: bool = False  # cuda: several ranks on one GPU (NCCL over sockets, a trial)
     save: str | None = None  # checkpoint directory written after the last step
     resume: str | None = None  # checkpoint directory to continue from
 
@@ -85,6 +86,13 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="cuda: NCCL, one GPU per rank; auto (default): cuda when there are as many GPUs "
         "as ranks, else cpu",
+    )
+    p.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="with --device cuda: let several ranks share a GPU (NCCL joins them over "
+        "sockets: far slower than GPU links; to try the demo on a machine with fewer GPUs "
+        "than ranks, never to measure)",
     )
     p.add_argument("--save", metavar="DIR", default=None, help="save a checkpoint at the end")
     p.add_argument(
@@ -146,7 +154,8 @@ def resolve(args: argparse.Namespace) -> DemoOptions:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.layers < 0:
         raise ValueError(f"--layers must be >= 0, got {args.layers}")
-    device = _device(getattr(args, "device", "auto"), ranks)
+    share = bool(getattr(args, "share_gpu", False))
+    device = _device(getattr(args, "device", "auto"), ranks, share)
     return DemoOptions(
         ranks=ranks,
         pp=mesh["pp"],
@@ -161,24 +170,31 @@ def resolve(args: argparse.Namespace) -> DemoOptions:
         seed=args.seed,
         layers=args.layers,
         device=device,
+        share_gpu=share,
         save=args.save,
         resume=args.resume,
     )
 
 
-def _device(choice: str, ranks: int) -> str:
-    """The device the ranks train on: NCCL needs a GPU of its own per rank."""
+def _device(choice: str, ranks: int, share: bool = False) -> str:
+    """The device the ranks train on: NCCL needs a GPU of its own per rank (``share``: one
+    GPU is enough, several ranks on it)."""
+    if share and choice != "cuda":
+        raise ValueError("--share-gpu goes with --device cuda")
     if choice == "cpu":
         return "cpu"
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if choice == "cuda" and gpus < ranks:
+    if share and gpus < 1:
+        raise ValueError("--device cuda --share-gpu needs a GPU; this machine has none")
+    if choice == "cuda" and gpus < ranks and not share:
         raise ValueError(
             f"--device cuda needs one GPU per rank: {ranks} ranks but {gpus} GPU(s); pass "
-            f"--ranks {max(gpus, 2)} with a matching --mesh, or --device cpu"
+            f"--ranks {max(gpus, 2)} with a matching --mesh, --share-gpu (a trial, slow), "
+            "or --device cpu"
         )
-    return "cuda" if gpus >= ranks else "cpu"
+    return "cuda" if gpus >= ranks or share else "cpu"
 
 
 def to_argv(opts: DemoOptions) -> list[str]:
@@ -198,4 +214,5 @@ def to_argv(opts: DemoOptions) -> list[str]:
         ("--device", opts.device),
     )
     optional = [(flag, v) for flag, v in (("--save", opts.save), ("--resume", opts.resume)) if v]
-    return [str(x) for pair in [*pairs, *optional] for x in pair]
+    flags = ["--share-gpu"] if opts.share_gpu else []
+    return [str(x) for pair in [*pairs, *optional] for x in pair] + flags

@@ -25,6 +25,7 @@ from meshpipe.demo.options import START_ENV, DemoOptions, add_demo_args, resolve
 from meshpipe.demo.progress import Progress
 from meshpipe.demo.report import DemoRun, RankRun, format_summary, summarize, write_artifacts
 from meshpipe.demo.text import Batches, CharTokenizer, make_text
+from meshpipe.testing import share_gpu
 
 __all__ = ["main"]
 
@@ -135,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     opts = resolve(parser.parse_args(argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if opts.share_gpu:  # before the process group: NCCL reads these when it starts
+        share_gpu(int(os.environ.get("LOCAL_RANK", "0")), "demo")
     job = _build(opts)
     done = _resume(job, opts)
     rank = dist.get_rank()
