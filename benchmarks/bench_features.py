@@ -4,6 +4,7 @@ one run (8 pre-norm MLP blocks of width 256, 4 microbatches of 64 rows).
 
     .venv/bin/python benchmarks/bench_features.py          # about a minute (compile: ~30 s)
     .venv/bin/python benchmarks/bench_features.py --no-compile   # eager and checkpointing
+    .venv/bin/python benchmarks/bench_features.py --no-compile --fsdp  # pp=2 x dp=2, FSDP2
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _ranks(reps: int, variants: list[str]) -> dict[str, dict[str, float]]:
+def _ranks(reps: int, variants: list[str], fsdp: bool) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
-    mesh = meshpipe.init_mesh(pp=2)
+    mesh = meshpipe.init_mesh(pp=2, dp=2 if fsdp else 1)
+    torch.manual_seed(1)
     x, y = torch.randn(256, 256), torch.randn(256, 256)
+    if fsdp:  # each dp replica passes its own half of the batch
+        half = mesh.get_local_rank("dp") * 128
+        x, y = x[half : half + 128], y[half : half + 128]
+    spmd: dict[str, Any] = {"dp": "fsdp"} if fsdp else {}
     out: dict[str, dict[str, float]] = {}
     for name in ("1f1b", "zbv"):
         pipes = {}
@@ -44,8 +50,9 @@ def _ranks(reps: int, variants: list[str]) -> dict[str, dict[str, float]]:
             torch.manual_seed(0)
             net = nn.Sequential(*[mlp_block(256) for _ in range(8)])
             pipes[label] = meshpipe.Pipeline(
-                net, mesh, name, num_microbatches=4, loss_fn=nn.functional.mse_loss, **options
-            )
+                net, mesh, name, num_microbatches=4, loss_fn=nn.functional.mse_loss,
+                **options, **spmd,
+            )  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in pipes}
         for r in range(reps + 2):  # two warm-up rounds (the first compiles)
             for label, pipe in pipes.items():
@@ -64,9 +71,11 @@ def _ranks(reps: int, variants: list[str]) -> dict[str, dict[str, float]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-compile", action="store_true", help="skip compile=True (~30 s)")
+    ap.add_argument("--fsdp", action="store_true", help="pp=2 x dp=2 (4 ranks), dp='fsdp'")
     args = ap.parse_args()
     variants = [k for k in VARIANTS if not (args.no_compile and k == "compile=True")]
-    res = run_on_ranks(_ranks, 2, 8, variants, timeout=900)[0]
+    world = 4 if args.fsdp else 2
+    res = run_on_ranks(_ranks, world, 8, variants, args.fsdp, timeout=900)[0]
     print("| schedule | " + " | ".join(variants) + " |")
     print("|---|" + "---|" * len(variants))
     for name, row in res.items():
