@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import D, blocks, check_case, dp_batch, dtensor_case, mse
+from parity import D, blocks, check_case, dp_batch, dtensor_case, host_reads, mse
 
 ATOL = 1e-5
 STEPS = 3
@@ -149,6 +149,14 @@ def _four() -> dict[str, Any]:
     out["bf16"] = _bf16_case(mesh)
     if "zbv" in meshpipe.schedule_names():
         out["reshard_bytes"] = _reshard_bytes(mesh)
+    # what would make a GPU step wait on the host, counted on CPU (see parity.host_reads)
+    out["host_reads"] = {
+        "ddp-1f1b": host_reads(mesh, "1f1b", dp="ddp"),
+        "fsdp-1f1b": host_reads(mesh, "1f1b", dp="fsdp"),
+        "fsdp-zbv-full": host_reads(mesh, "zbv", dp="fsdp", **full),
+        "tp-zbv": host_reads(tp_mesh, "zbv", tp_plan=TP_PLAN),
+        "tp-zbv-full": host_reads(tp_mesh, "zbv", tp_plan=TP_PLAN, **full),
+    }
     one = meshpipe.init_mesh(pp=4)
     pipe = meshpipe.Pipeline(blocks(4), one, "1f1b", 2, mse, dp="fsdp")  # dp axis of size 1
     out["fsdp_on_size1"] = pipe.step(torch.randn(4, D), target=torch.randn(4, D)).item()
@@ -217,6 +225,16 @@ def test_fsdp_reshards_idle_stages(four: list[dict[str, Any]]) -> None:
         assert kept["dp_bytes"] == kept["dp_bytes_min"]
         assert idle["dp_bytes"] > idle["dp_bytes_min"], idle  # re-gathers after reshards
         assert idle["dp_bytes_min"] == kept["dp_bytes_min"]
+
+
+def test_steady_state_steps_with_dp_tp_and_checkpointing_read_nothing_on_the_host(
+    four: list[dict[str, Any]],
+) -> None:
+    """DDP's sync, FSDP2's reduce-scatter, TP's collectives and the replay add no .item(),
+    .cpu() and the like to a steady-state step (each would make a GPU step wait)."""
+    for rank, res in enumerate(four):
+        for case, reads in res["host_reads"].items():
+            assert reads == [], (rank, case, reads)
 
 
 def test_pp_dp_tp_eight_processes() -> None:
