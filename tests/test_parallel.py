@@ -119,6 +119,27 @@ def _bf16_case(mesh: Any) -> dict[str, float]:
     }
 
 
+def _eval_dp_case(mesh: Any) -> dict[str, float]:
+    """eval_step with a metric on pp2 x dp2: loss and metric averaged over the replicas,
+    each passing its own half of the batch, equal to one process on the whole batch."""
+    net = blocks(4)
+    ref = copy.deepcopy(net)
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 2, mse, dp="ddp")
+    torch.manual_seed(9)
+    x, y = torch.randn(16, D), torch.randn(16, D)
+    loss, metrics = pipe.eval_step(
+        dp_batch(x, mesh),
+        target=dp_batch(y, mesh),
+        metrics_fn=lambda o, t: {"mae": (o - t).abs().mean()},
+    )
+    with torch.no_grad():
+        out = ref(x)
+    return {
+        "loss": abs(loss.item() - mse(out, y).item()),
+        "mae": abs(metrics["mae"].item() - (out - y).abs().mean().item()),
+    }
+
+
 def _reshard_bytes(mesh: Any) -> dict[str, dict[str, int]]:
     """zbv gives each stage idle stretches: FSDP2 reshards there and gathers again."""
     out = {}
@@ -147,6 +168,7 @@ def _four() -> dict[str, Any]:
     out["errors"] = _errors(tp_mesh)
     out["dtensor_boundary"] = dtensor_case(tp_mesh)
     out["bf16"] = _bf16_case(mesh)
+    out["eval_dp"] = _eval_dp_case(mesh)
     if "zbv" in meshpipe.schedule_names():
         out["reshard_bytes"] = _reshard_bytes(mesh)
     # what would make a GPU step wait on the host, counted on CPU (see parity.host_reads)
@@ -235,6 +257,12 @@ def test_steady_state_steps_with_dp_tp_and_checkpointing_read_nothing_on_the_hos
     for rank, res in enumerate(four):
         for case, reads in res["host_reads"].items():
             assert reads == [], (rank, case, reads)
+
+
+def test_eval_step_metrics_averaged_over_dp(four: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(four):
+        for metric, value in res["eval_dp"].items():
+            assert value <= ATOL, (rank, metric, value)
 
 
 def test_pp_dp_tp_eight_processes() -> None:

@@ -535,7 +535,7 @@ class Pipeline:
             return loss.to(torch.float32)
         reduced = reduce_metrics(
             metrics, src, self._channels.ctrl, topo.pp_group, topo.dp_group, topo.device,
-            self.timeout, self._contributes, topo.stage_meshes,
+            self.timeout, self._contributes, topo.stage_meshes, self._watchdog,
         )  # fmt: skip
         return loss.to(torch.float32), reduced
 

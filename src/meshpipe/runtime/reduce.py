@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from meshpipe.runtime.stage import LossRecord
-from meshpipe.runtime.waits import Watchdog, wait_bounded, wait_work
+from meshpipe.runtime.waits import Watchdog, wait_bounded
 
 __all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
 
@@ -46,22 +46,42 @@ def reduce_loss(
         if counts:
             buf[1] = torch.stack([c.to(device) for c in counts]).sum()
             buf[2] = 1.0
-    dp_size = 1
-    if stage_meshes:
-        work = dist.all_reduce(buf, group=pp_group, async_op=True)
-        wait_bounded(work, timeout, "the loss all-reduce over the stage meshes", watchdog)
-    elif dist.get_world_size(pp_group) > 1:
-        work = dist.broadcast(buf, src=last_stage_global_rank, group=pp_group, async_op=True)
-        wait_bounded(work, timeout, "the loss broadcast over pp", watchdog)
-    if dp_group is not None and not stage_meshes:
-        dp_size = dist.get_world_size(dp_group)
-        work = dist.all_reduce(buf, group=dp_group, async_op=True)
-        wait_bounded(work, timeout, "the loss all-reduce over dp", watchdog)
+    dp_size = _share(
+        buf, "loss", last_stage_global_rank, pp_group, dp_group, stage_meshes, timeout, watchdog
+    )
     # read nothing on the host: a total count of 0 gives inf/nan, as in plain PyTorch
     is_pair = buf[2] > 0.5 * dp_size  # stage meshes: one 1 per contributing process
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
     scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
     return loss, scale
+
+
+def _share(
+    buf: torch.Tensor,
+    what: str,
+    src: int,
+    pp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup | None,
+    stage_meshes: bool,
+    timeout: float,
+    watchdog: Watchdog | None,
+) -> int:
+    """``buf`` of the last stage's rank (global rank ``src``) to every rank: broadcast over
+    pp, then summed over dp (returns the dp size to average by); with stage meshes the
+    contributing processes' parts summed over ``pp_group`` (the world), dp size 1. Waits are
+    host waits on CPU, stream waits under the watchdog on CUDA."""
+    if stage_meshes:
+        work = dist.all_reduce(buf, group=pp_group, async_op=True)
+        wait_bounded(work, timeout, f"the {what} all-reduce over the stage meshes", watchdog)
+        return 1
+    if dist.get_world_size(pp_group) > 1:
+        work = dist.broadcast(buf, src=src, group=pp_group, async_op=True)
+        wait_bounded(work, timeout, f"the {what} broadcast over pp", watchdog)
+    if dp_group is None:
+        return 1
+    work = dist.all_reduce(buf, group=dp_group, async_op=True)
+    wait_bounded(work, timeout, f"the {what} all-reduce over dp", watchdog)
+    return dist.get_world_size(dp_group)
 
 
 def reduce_grads(
@@ -103,6 +123,7 @@ def reduce_metrics(
     timeout: float = 300.0,
     contributes: bool = True,
     stage_meshes: bool = False,
+    watchdog: Watchdog | None = None,
 ) -> dict[str, torch.Tensor]:
     """Share-weighted metric sums of the last stage's rank (global rank ``src``), the same on
     every rank: names sent over the CPU-side group, values broadcast over pp and averaged
@@ -114,14 +135,8 @@ def reduce_metrics(
     buf = torch.zeros(len(keys), dtype=torch.float64, device=device)
     if metrics and contributes:
         buf.copy_(torch.stack([metrics[k].to(device).reshape(()) for k in keys]))
-    if stage_meshes and keys:  # parts weighted by their share of the batch: a plain sum
-        work = dist.all_reduce(buf, group=pp_group, async_op=True)
-        wait_work(work, timeout, "the metrics all-reduce over the stage meshes")
-    elif dist.get_world_size(pp_group) > 1 and keys:
-        work = dist.broadcast(buf, src=src, group=pp_group, async_op=True)
-        wait_work(work, timeout, "the metrics broadcast over pp")
-    if dp_group is not None and keys and not stage_meshes:
-        work = dist.all_reduce(buf, group=dp_group, async_op=True)
-        wait_work(work, timeout, "the metrics all-reduce over dp")
-        buf /= dist.get_world_size(dp_group)
+    if keys:  # stage meshes: parts weighted by their share of the batch, a plain sum
+        dp_size = _share(buf, "metrics", src, pp_group, dp_group, stage_meshes, timeout, watchdog)
+        if dp_size > 1:
+            buf /= dp_size
     return {k: buf[i].to(torch.float32) for i, k in enumerate(keys)}
