@@ -167,6 +167,56 @@ def stage_meshes(device: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def checkpoint_resume(device: str, plain: bool, path: str) -> dict[str, float]:
+    """Save after 2 of 4 AdamW steps at pp=2, load into a Pipeline built with other weights,
+    run the last 2 steps: the losses of the run straight through (``resume``, 0 expected);
+    ``extra`` 0 when the extra dict came back; ``export`` the largest difference between
+    the safetensors export and the live parameters."""
+    from safetensors.torch import load_file
+
+    from meshpipe import checkpoint
+
+    mesh = make_mesh(device, plain, pp=2)
+    dev = _dev(mesh)
+    g = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randn(8, 16, generator=g).to(dev), torch.randn(8, 16, generator=g).to(dev))
+        for _ in range(4)
+    ]
+
+    def build(seed: int) -> tuple[Any, torch.optim.Optimizer]:
+        pipe = meshpipe.Pipeline(
+            blocks(8, seed=seed), mesh, "1f1b", num_microbatches=4, loss_fn=mse, timeout=WAIT
+        )
+        return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+
+    def train(pipe: Any, opt: torch.optim.Optimizer, todo: list[Any]) -> list[float]:
+        losses = []
+        for x, y in todo:
+            losses.append(pipe.step(x, target=y).item())
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    straight = train(*build(0), batches)
+    pipe, opt = build(0)
+    train(pipe, opt, batches[:2])
+    checkpoint.save(pipe, path, optimizer=opt, extra={"step": 2})
+    pipe, opt = build(99)  # other weights: only the load makes the losses equal
+    extra = checkpoint.load(pipe, path, optimizer=opt)
+    resumed = train(pipe, opt, batches[2:])
+    file = os.path.join(path, "model.safetensors")
+    checkpoint.export(pipe, file)
+    dist.barrier()
+    exported = load_file(file)
+    live = dict(pipe.named_parameters())
+    return {
+        "resume": max(abs(a - b) for a, b in zip(straight[2:], resumed, strict=True)),
+        "extra": float(extra.get("step") != 2),
+        "export": max((exported[k] - p.detach().cpu()).abs().max().item() for k, p in live.items()),
+    }
+
+
 def _dry_run() -> None:
     """The GPU cases on CPU over gloo, small: checks their logic, not the GPU."""
     from meshpipe.testing import run_on_ranks
@@ -178,6 +228,11 @@ def _dry_run() -> None:
     print("syncs dp", run_on_ranks(host_syncs_dp, 4, "cpu", timeout=300)[0])
     print("large", run_on_ranks(large, 2, "cpu", 256, 256, timeout=300)[0])
     print("stage meshes", run_on_ranks(stage_meshes, 3, "cpu", timeout=300))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ck")
+        print("checkpoint", run_on_ranks(checkpoint_resume, 2, "cpu", True, path, timeout=300))
 
 
 if __name__ == "__main__":

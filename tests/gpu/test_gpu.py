@@ -1,7 +1,7 @@
 """meshpipe on CUDA with NCCL: parity on every schedule both ways of building the mesh,
 pp=2 x dp=2 with FSDP2, no host synchronisation in a steady-state step, and steps with
-64 MiB activations that complete. Several ranks share one GPU (run_on_ranks(device="cuda")).
-Skipped without CUDA (see conftest.py)."""
+64 MiB activations that complete, checkpoints that resume and export. Several ranks share
+one GPU (run_on_ranks(device="cuda")). Skipped without CUDA (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ import pytest
 
 from meshpipe.testing import run_on_ranks
 
-from gpu_cases import fsdp_parity, host_syncs, host_syncs_dp, large, parity_all, stage_meshes
+from gpu_cases import (
+    checkpoint_resume,
+    fsdp_parity,
+    host_syncs,
+    host_syncs_dp,
+    large,
+    parity_all,
+    stage_meshes,
+)
 from parity import SCHEDULES
 
 ATOL = 1e-5  # fp32; TF32 off by default for matmuls in torch
@@ -61,3 +69,12 @@ def test_stage_meshes_match_one_process_without_host_syncs() -> None:
         for name, figures in res.items():
             for metric, value in figures.items():
                 assert value <= ATOL, f"rank {rank} {name} {metric}: {value}"
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["init_mesh", "plain_nccl"])
+def test_checkpoint_resume_and_export(plain: bool, tmp_path: Any) -> None:
+    path = str(tmp_path / "ck")
+    results = run_on_ranks(checkpoint_resume, 2, "cuda", plain, path, timeout=200, device="cuda")
+    for rank, res in enumerate(results):
+        assert res["resume"] <= ATOL and res["extra"] == 0.0, f"rank {rank}: {res}"
+        assert res["export"] == 0.0, f"rank {rank}: {res}"
