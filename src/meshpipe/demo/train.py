@@ -120,6 +120,8 @@ def _train(
         loss = job.pipe.step(x.to(job.device), target=y.to(job.device))
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)
+        if job.device.type == "cuda":  # the step's time is the device's work, not its launch
+            torch.cuda.synchronize(job.device)
         seconds.append(time.perf_counter() - t0)
         losses.append(float(loss))
         steps.append(_rows(job.pipe))
