@@ -217,10 +217,37 @@ def checkpoint_resume(device: str, plain: bool, path: str) -> dict[str, float]:
     }
 
 
+def preflight(device: str) -> dict[str, float]:
+    """Before the GPU checks: the mesh comes up, an all-reduce and a batched 1 MiB exchange
+    complete (seconds each), so a machine where NCCL cannot start fails in a minute."""
+    import time
+
+    t0 = time.perf_counter()
+    mesh = make_mesh(device, False, pp=2)
+    dev = _dev(mesh)
+    group = mesh.get_group("pp")
+    t1 = time.perf_counter()
+    x = torch.ones(4, device=dev)
+    dist.all_reduce(x, group=group)
+    peer = dist.get_global_rank(group, 1 - mesh.get_local_rank("pp"))
+    out, got = (
+        torch.full((1 << 18,), float(dist.get_rank()), device=dev),
+        torch.empty(1 << 18, device=dev),
+    )
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, out, peer, group), dist.P2POp(dist.irecv, got, peer, group)]
+    )
+    for w in works:
+        w.wait()
+    ok = float(x.sum().item() == 8.0 and bool((got == float(peer)).all().item()))
+    return {"ok": ok, "init_s": t1 - t0, "exchange_s": time.perf_counter() - t1}
+
+
 def _dry_run() -> None:
     """The GPU cases on CPU over gloo, small: checks their logic, not the GPU."""
     from meshpipe.testing import run_on_ranks
 
+    print("preflight", run_on_ranks(preflight, 2, "cpu", timeout=120))
     for plain in (False, True):
         print("parity", plain, run_on_ranks(parity_all, 2, "cpu", plain, timeout=300)[0])
     print("fsdp", run_on_ranks(fsdp_parity, 4, "cpu", True, timeout=300)[0])
@@ -235,5 +262,17 @@ def _dry_run() -> None:
         print("checkpoint", run_on_ranks(checkpoint_resume, 2, "cpu", True, path, timeout=300))
 
 
+def _preflight_main() -> int:
+    """``gpu_cases.py --preflight``: the preflight on CUDA (on CPU where there is none)."""
+    from meshpipe.testing import run_on_ranks
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res = run_on_ranks(preflight, 2, device, timeout=80, device=device)
+    print("preflight", device, res, flush=True)
+    return 0 if all(r["ok"] == 1.0 for r in res) else 1
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--preflight"]:
+        sys.exit(_preflight_main())
     _dry_run()
