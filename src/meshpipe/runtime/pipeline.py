@@ -36,7 +36,7 @@ from meshpipe.runtime.microbatch import (
 from meshpipe.runtime.modules import initial_mode, stage_modules
 from meshpipe.runtime.p2p import Comm
 from meshpipe.runtime.reader import Reader
-from meshpipe.runtime.recompute import Policy, apply_policy, check_policy
+from meshpipe.runtime.recompute import Policy, apply_policy, backward_plan, check_policy
 from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.schedules import Schedules
 from meshpipe.runtime.spmd import Spmd
@@ -174,14 +174,11 @@ class Pipeline:
             module.train(self._training)
             full = apply_policy(module, self._recompute, s)
             compiled = compile_stage(module, self._compile)
-            # "full" on a plain stage replays its forward once, at I; torch.utils.checkpoint
-            # (chosen submodules, FSDP2, compiled stages) recomputes per backward call, so
-            # there the whole backward runs in I (W empty) rather than recomputing twice
-            replay = full and not compiled and self._spmd.dp != "fsdp"
+            replay, fused = backward_plan(self._recompute, full, compiled, self._spmd.dp)
             self._runners[s] = StageRunner(
                 s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,
                 loss_fn=self.loss_fn, autocast=self._autocast, recompute=full, replay=replay,
-                fused_backward=compiled or (self._recompute is not None and not replay),
+                fused_backward=fused,
             )  # fmt: skip
 
     def _ensure_split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["Policy", "check_policy", "apply_policy", "Replay", "keeping_nothing"]
+__all__ = ["Policy", "check_policy", "apply_policy", "backward_plan", "Replay", "keeping_nothing"]
 
 Policy = str | Callable[[str, nn.Module], bool] | None
 
@@ -64,6 +64,15 @@ def apply_policy(stage: nn.Module, policy: Policy, stage_index: int) -> bool:
             f"as {[n for n, _ in stage.named_modules() if n][:5]})"
         )
     return False
+
+
+def backward_plan(policy: Policy, full: bool, compiled: bool, dp: str | None) -> tuple[bool, bool]:
+    """(replay, fused backward) of a stage. "full" on a plain stage replays its forward
+    once, at I; torch.utils.checkpoint (chosen submodules, FSDP2 stages, compiled stages)
+    recomputes per backward call, so there the whole backward runs in I (W empty) rather
+    than recomputing twice. A compiled stage's backward is fused anyway."""
+    replay = full and not compiled and dp != "fsdp"
+    return replay, compiled or (policy is not None and not replay)
 
 
 # -- "full" on plain stages: F keeps no activations, I runs the forward again ----------------
