@@ -3,6 +3,7 @@ per-microbatch overhead, the I+W split's cost, and activation memory.
 
     .venv/bin/python benchmarks/bench_runtime.py --quick            # smoke run, < 1 minute
     .venv/bin/python benchmarks/bench_runtime.py --out results.json # the full run
+    .venv/bin/python benchmarks/bench_runtime.py --overhead-only 60   # the overhead case alone
 
 Both runtimes run the same stage modules (deep copies, identical weights), batch, loss,
 schedule and world size, in one spawn of 2 ranks with one thread each, alternating per
@@ -318,6 +319,24 @@ def compare_ranks(cfg: BenchConfig) -> dict[str, Any]:
     return out
 
 
+def overhead_ranks(cfg: BenchConfig) -> dict[str, Any]:
+    """Rank body of ``--overhead-only``: the overhead case alone, in its own spawn."""
+    return overhead_one(cfg, meshpipe.init_mesh(pp=WORLD))
+
+
+def print_overhead(results: list[dict[str, Any]]) -> None:
+    """Medians per rank of the overhead case, and each runtime's ratio to torch."""
+    for rank, res in enumerate(results):
+        t = res["times"]
+        torch_ms = median(t["torch"]) * 1e3
+        for name in ("meshpipe", "torch", "hand-written loop"):
+            ms, cpu = median(t[name]) * 1e3, median(t[name + "_cpu"]) * 1e3
+            print(
+                f"rank {rank} {name:18s} step {ms:6.2f} ms  / torch {ms / torch_ms:.3f}  "
+                f"process CPU {cpu:6.2f} ms"
+            )
+
+
 def memory_ranks(cfg: BenchConfig) -> list[dict[str, Any]]:
     """Rank body of the memory spawn: peak activation bytes per schedule and microbatch count."""
     mesh = meshpipe.init_mesh(pp=WORLD)
@@ -428,11 +447,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--schedules", help="comma-separated subset of " + ",".join(s[0] for s in SCHEDULES)
     )
+    ap.add_argument(
+        "--overhead-only",
+        type=int,
+        metavar="REPS",
+        help="only the per-microbatch overhead case, REPS rounds (e.g. 60)",
+    )
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.schedules:
         cfg = replace(cfg, schedules=tuple(args.schedules.split(",")))
     torch.set_num_threads(1)
+    if args.overhead_only:
+        cfg = replace(cfg, overhead_reps=args.overhead_only)
+        print_overhead(run_on_ranks(overhead_ranks, WORLD, cfg, timeout=cfg.timeout))
+        return 0
     load_before = os.getloadavg()[0]
     flops = step_flops(cfg)
     print(

@@ -53,9 +53,19 @@ def backward_full(
 
     ``outputs`` are tensors or their gradient edges (so output data can be freed early).
     """
-    edges, gs = _with_grad(outputs, grads)
-    if edges:
-        torch.autograd.backward(edges, gs)
+    roots: list[Root] = []
+    gs: list[torch.Tensor] = []
+    for o, g in zip(outputs, grads):
+        # tensors go to the engine as they are: quicker than by their gradient edges
+        if o is not None and g is not None and (isinstance(o, GradientEdge) or o.requires_grad):
+            roots.append(o)
+            gs.append(g)
+    tensors = [r for r in roots if isinstance(r, torch.Tensor)]
+    if len(tensors) == len(roots):
+        if tensors:
+            torch.autograd.backward(tensors, gs)
+    else:  # edges (outputs of a middle stage), or a mix: all as edges
+        torch.autograd.backward([e for r in roots if (e := _edge(r)) is not None], gs)
     return [x.grad if x.requires_grad else None for x in inputs]
 
 

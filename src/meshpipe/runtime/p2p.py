@@ -182,7 +182,7 @@ class Comm:
         for work, _tensors, peer in self._sends:
             self._wait(work, deadline, "send", peer)
         self._sends.clear()
-        end = wire.make_header({"x": 1})
+        end = wire.end_marker()
         markers = [(self._ctrl_send(p, end), p) for p in self._send_peers]
         for work, peer in markers:
             self._wait(work, deadline, "end-of-step marker", peer)
@@ -213,7 +213,7 @@ class Comm:
     def close_refused(self) -> None:
         """End a step refused at its gate (on every rank alike): end markers only."""
         deadline = time.monotonic() + min(self.timeout, 30.0)
-        end = wire.make_header({"x": 1})
+        end = wire.end_marker()
         for work in [self._ctrl_send(p, end) for p in self._send_peers]:
             self._wait(work, deadline, "end-of-step marker", -1)
         for reader in self._readers.values():

@@ -40,8 +40,11 @@ def reduce_loss(
     """
     buf = torch.zeros(3, dtype=torch.float64, device=device)
     if holds_last_stage and records:
-        values = [r.value.to(device=device, dtype=torch.float64) for r in records.values()]
-        buf[0] = torch.stack(values).sum()
+        values = [r.value for r in records.values()]
+        if len({v.dtype for v in values}) == 1:  # one conversion for the step, not per value
+            buf[0] = torch.stack(values).to(device=device, dtype=torch.float64).sum()
+        else:
+            buf[0] = torch.stack([v.to(device=device, dtype=torch.float64) for v in values]).sum()
         counts = [r.count for r in records.values() if r.count is not None]
         if counts:
             buf[1] = torch.stack([c.to(device) for c in counts]).sum()

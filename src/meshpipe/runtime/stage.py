@@ -156,7 +156,7 @@ class StageRunner:
         """The output roots of F run again (the weighted loss on the last stage)."""
         out = self._call(value, *mb_inputs)
         if self.is_last:
-            return [_edge_of(self._loss(out, target, share, mb)[0])]
+            return [_root_of(self._loss(out, target, share, mb)[0])]
         return [_edge_of(t) for t in flatten(out)[0]]
 
     def _forward_kept(self, saved: _Saved, out: Any, target: Any, share: float, mb: int) -> Any:
@@ -169,9 +169,8 @@ class StageRunner:
             return out
         if self.keep_outputs:  # step(..., return_outputs=True)
             self.outputs[mb] = _detached(out)
-        loss, record = self._loss(out, target, share, mb)
-        saved.roots = [_edge_of(loss)]
-        saved.seed = torch.ones_like(loss.detach())
+        loss, record, saved.seed = self._loss(out, target, share, mb)
+        saved.roots = [_root_of(loss)]  # a scalar: kept whole (backward is quicker than by edge)
         return record
 
     def loss_of(self, mb: int, target: Any, share: float) -> LossRecord:
@@ -181,7 +180,13 @@ class StageRunner:
 
     def _loss(
         self, out: Any, target: Any, share: float, mb: int
-    ) -> tuple[torch.Tensor, LossRecord]:
+    ) -> tuple[torch.Tensor, LossRecord, torch.Tensor]:
+        """(the loss to run backward from, its record, the gradient to seed it with).
+
+        A mean loss is weighted by the microbatch's share through the seed (``share``, not
+        1), which gives the same gradients as backward from ``loss * share`` bit for bit
+        without the multiplication in the graph (a per-microbatch cost in the overhead
+        case)."""
         if self.loss_fn is None:
             raise PipelineError("step() needs a loss_fn; pass loss_fn= to Pipeline")
         with self._mixed():  # autocast computes losses such as mse and cross entropy in fp32
@@ -198,10 +203,11 @@ class StageRunner:
                 c = count.detach().to(torch.float64).reshape(())
             else:
                 c = torch.tensor(float(count), dtype=torch.float64)
-            return total, LossRecord(total.detach().reshape(()), c)
+            return total, LossRecord(_scalar(total.detach()), c), torch.ones_like(total.detach())
         _check_scalar(result, mb)
-        weighted = result * share
-        return weighted, LossRecord(weighted.detach().reshape(()), None)
+        value = result.detach()
+        seed = torch.full_like(value, share)
+        return result, LossRecord(_scalar(value * share), None), seed
 
     def backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         """B (``split=False``) or I (``split=True``); returns gradients of the stage inputs."""
@@ -261,6 +267,14 @@ def _as_layout(g: torch.Tensor | None, layout: Any) -> torch.Tensor | None:
     if isinstance(g, DTensor):
         return g if g.placements == placements else g.redistribute(mesh, placements)
     return distribute_tensor(g, mesh, placements, src_data_rank=None)
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 0 else t.reshape(())
+
+
+def _root_of(t: torch.Tensor) -> torch.Tensor | None:
+    return t if t.requires_grad else None
 
 
 def _edge_of(t: torch.Tensor) -> Any:

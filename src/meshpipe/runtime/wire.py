@@ -11,6 +11,7 @@ or an error) for when the receiver cannot know the size.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -117,6 +118,12 @@ def make_header(fields: dict[str, Any]) -> torch.Tensor:
     buf[:_LEN] = _to_tensor(len(body).to_bytes(_LEN, "big"))
     buf[_LEN : _LEN + len(body)] = _to_tensor(body)
     return buf
+
+
+@functools.cache
+def end_marker() -> torch.Tensor:
+    """The end-of-step header, built once (sending reads it, nothing writes it)."""
+    return make_header({"x": 1})
 
 
 def read_header(buf: torch.Tensor) -> dict[str, Any]:
