@@ -23,6 +23,7 @@ from meshpipe.testing import run_on_ranks
 from parity import blocks, check_case, deadlock_control, grad_diff, host_reads, mse
 
 WIDE = 1024  # 1024 rows x 1024 fp32 = 4 MiB per activation
+TRAINING = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zbh1", "zbv", "dualpipev"]
 
 
 class Wide(nn.Module):
@@ -89,7 +90,7 @@ def _program_case(mesh: Any, name: str, stages_per_rank: int | None = None) -> d
     }
 
 
-def _large_case(mesh: Any, name: str) -> dict[str, float]:
+def _large_case(mesh: Any, name: str, batched: bool = False) -> dict[str, float]:
     torch.manual_seed(0)
     net = nn.Sequential(*[Wide() for _ in range(4 if name in ("zbv", "interleaved_1f1b") else 2)])
     ref = copy.deepcopy(net)
@@ -102,9 +103,44 @@ def _large_case(mesh: Any, name: str) -> dict[str, float]:
     for p in ref.parameters():
         assert p.grad is not None
         p.grad *= 2  # two steps accumulated
+    assert pipe._comm_now is not None
     return {
+        "posting_path_wrong": float(pipe._comm_now.ch.batched != batched),
         "loss": abs(loss.item() - expected.item()) + abs(loss2.item() - expected.item()),
         "grad": grad_diff(pipe, ref) / 2,
+    }
+
+
+def _batched_case(mesh: Any, name: str, large: bool = False) -> dict[str, float]:
+    """The posting path of NCCL (each group one batch_isend_irecv, nothing ahead of its
+    group) on gloo: parity over two steps, and the second step posts exactly the program."""
+    os.environ["MESHPIPE_P2P_BATCHED"] = "1"
+    try:
+        if large:
+            return _large_case(mesh, name, batched=True)
+        net = blocks(8)
+        ref = copy.deepcopy(net)
+        pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse, timeout=60)
+    finally:
+        del os.environ["MESHPIPE_P2P_BATCHED"]
+    torch.manual_seed(3)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    loss = pipe.step(x, target=y)  # describes each stream once on ctrl
+    loss2 = pipe.step(x, target=y)  # the steady state: tensors only, in batches
+    comm = pipe._comm_now
+    assert comm is not None
+    expected = mse(ref(x), y)
+    expected.backward()
+    for p in ref.parameters():
+        assert p.grad is not None
+        p.grad *= 2
+    program = list(meshpipe.p2p_program(pipe.schedule)[pipe.topology.pp_rank])
+    return {
+        "batched": float(not comm.ch.batched),
+        "loss": abs(loss.item() - expected.item()) + abs(loss2.item() - expected.item()),
+        "grad": grad_diff(pipe, ref) / 2,
+        "program_differs": float(comm.posted != program),
+        "posted_ahead": float(comm._ahead.posted_ahead),
     }
 
 
@@ -149,7 +185,10 @@ def _all(_: None = None) -> dict[str, Any]:
     os.environ["MESHPIPE_P2P_STRICT"] = "1"  # the validator's model, enforced on the host
     for name in ("1f1b", "interleaved_1f1b", "zbv"):
         out[f"large-{name}"] = _large_case(mesh, name)
+    out["batched-large-zbv"] = _batched_case(mesh, "zbv", large=True)
     del os.environ["MESHPIPE_P2P_STRICT"]
+    for name in TRAINING:
+        out[f"batched-{name}"] = _batched_case(mesh, name)
     out["data_dependent"] = _data_dependent(mesh)
     out["pending"] = _pending_sends(mesh)
     for name in ("1f1b", "zbv"):
@@ -177,6 +216,20 @@ def test_runtime_posts_the_program_and_describes_each_stream_once(
         assert case["ahead_breaks"] == "", f"rank {rank}: {case['ahead_breaks']}"
     # every rank receives something in these schedules, and posts it all with its first group
     assert all(res[f"program-{name}"]["receives_posted_ahead"] > 0 for res in results)
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_nccl_posting_path_on_gloo_gives_parity_and_posts_the_program(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    """MESHPIPE_P2P_BATCHED=1: every group one batch_isend_irecv, as on NCCL."""
+    check_case(results, f"batched-{name}")
+
+
+def test_nccl_posting_path_with_4mib_activations_in_strict_mode(
+    results: list[dict[str, Any]],
+) -> None:
+    check_case(results, "batched-large-zbv", atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zbv"])

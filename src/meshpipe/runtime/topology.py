@@ -168,4 +168,7 @@ def pp_channels(topo: Topology) -> Channels:
     cuda = topo.device.type == "cuda"
     if cuda:
         dist.all_reduce(torch.zeros(1, device=topo.device), group=data)
-    return Channels(data, ctrl, ranks, batched=cuda)
+    # MESHPIPE_P2P_BATCHED=1: post as on NCCL (each group with batch_isend_irecv, nothing
+    # ahead of its group) on gloo too; a testing aid, so CPU runs the GPU's posting path
+    batched = cuda or os.environ.get("MESHPIPE_P2P_BATCHED", "") == "1"
+    return Channels(data, ctrl, ranks, batched=batched)
