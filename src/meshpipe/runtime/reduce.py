@@ -5,6 +5,7 @@ step never waits for the GPU on the host (on CPU the same code simply runs)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,8 @@ def reduce_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, gradient scale) as 0-dim float64 tensors on ``device``, equal on every rank.
 
-    Mean losses were weighted by microbatch share: the loss is their sum, averaged over dp.
+    Mean losses are weighted by their microbatch's share: the loss is their sum, averaged
+    over dp.
     (sum, count) losses: the loss is total sum / total count over microbatches and dp.
     The gradient scale is what the locally accumulated gradients must be multiplied by.
 
@@ -40,11 +42,14 @@ def reduce_loss(
     """
     buf = torch.zeros(3, dtype=torch.float64, device=device)
     if holds_last_stage and records:
-        values = [r.value for r in records.values()]
+        recs = list(records.values())
+        values = [r.value for r in recs]
         if len({v.dtype for v in values}) == 1:  # one conversion for the step, not per value
-            buf[0] = torch.stack(values).to(device=device, dtype=torch.float64).sum()
+            stacked = torch.stack(values).to(device=device, dtype=torch.float64)
         else:
-            buf[0] = torch.stack([v.to(device=device, dtype=torch.float64) for v in values]).sum()
+            stacked = torch.stack([v.to(device=device, dtype=torch.float64) for v in values])
+        weights = tuple(r.share if r.count is None else 1.0 for r in recs)
+        buf[0] = (stacked * _weights(weights, device)).sum()
         counts = [r.count for r in records.values() if r.count is not None]
         if counts:
             buf[1] = torch.stack([c.to(device) for c in counts]).sum()
@@ -57,6 +62,13 @@ def reduce_loss(
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
     scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
     return loss, scale
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(weights: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The step's loss weights on the device: copied there once per distinct split of the
+    batch, not every step (a host-to-device copy would wait for the GPU)."""
+    return torch.tensor(weights, dtype=torch.float64, device=device)
 
 
 def _share(

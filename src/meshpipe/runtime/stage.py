@@ -27,7 +27,8 @@ class LossRecord:
     """The last stage's loss for one microbatch: mean-weighted value, or a (sum, count) pair."""
 
     value: torch.Tensor  # 0-dim, detached, on the stage's device (never read on the host)
-    count: torch.Tensor | None  # None: mean loss, already weighted by the microbatch's share
+    count: torch.Tensor | None  # None: a mean loss, to be weighted by ``share``
+    share: float = 1.0  # the microbatch's share of the batch (weights a mean loss)
 
 
 @dataclass
@@ -207,7 +208,7 @@ class StageRunner:
         _check_scalar(result, mb)
         value = result.detach()
         seed = torch.full_like(value, share)
-        return result, LossRecord(_scalar(value * share), None), seed
+        return result, LossRecord(_scalar(value), None, share), seed
 
     def backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         """B (``split=False``) or I (``split=True``); returns gradients of the stage inputs."""
