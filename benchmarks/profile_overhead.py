@@ -1,6 +1,6 @@
 """Where the per-microbatch time goes: meshpipe against torch on a near-zero-compute pipeline.
 
-    .venv/bin/python benchmarks/profile_overhead.py [--microbatches 32] [--reps 20]
+    .venv/bin/python benchmarks/profile_overhead.py [--microbatches 32] [--reps 20] [--cpu-clock]
 
 Three measurements in one spawn of 2 ranks (one thread each):
 1. gloo one-way latency of a transfer sent as 1 message, and as a 512-byte header followed
@@ -60,7 +60,7 @@ def ping_pong(peer: int, rank: int, transfers: int, reps: int) -> dict[str, floa
     return {k: median(v) for k, v in got.items()}
 
 
-def ranks(num: int, reps: int, top: int) -> dict[str, Any]:
+def ranks(num: int, reps: int, top: int, cpu_clock: bool = False) -> dict[str, Any]:
     mesh = meshpipe.init_mesh(pp=2)
     rank = mesh.get_local_rank("pp")
     out: dict[str, Any] = {"ping_pong_us": ping_pong(1 - rank, rank, 64, reps)}
@@ -77,7 +77,7 @@ def ranks(num: int, reps: int, top: int) -> dict[str, Any]:
         for fn in runners.values():
             fn()
     for name, fn in runners.items():
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.thread_time) if cpu_clock else cProfile.Profile()
         wall, main, proc = [], [], []
         for _ in range(reps):
             dist.barrier()
@@ -104,8 +104,16 @@ def main() -> int:
     ap.add_argument("--microbatches", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="profile the main thread's CPU time (time.thread_time) instead of wall time, so "
+        "blocking waits do not count",
+    )
     args = ap.parse_args()
-    results = run_on_ranks(ranks, 2, args.microbatches, args.reps, args.top, timeout=600)
+    results = run_on_ranks(
+        ranks, 2, args.microbatches, args.reps, args.top, args.cpu_clock, timeout=600
+    )
     for rank, res in enumerate(results):
         lat = ", ".join(f"{k}: {v:.0f} us" for k, v in res["ping_pong_us"].items())
         print(f"rank {rank} gloo one-way transfer: {lat}")
