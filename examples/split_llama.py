@@ -82,3 +82,6 @@ for step in range(args.steps):
         print(f"step {step}  loss {loss.item():.4f}  parameters on pp rank 0: {local}")
 names = [name for name, _ in pipe.named_parameters()]
 print(f"pp rank {mesh.get_local_rank('pp')}: {names[0]} ... {names[-1]}")
+
+# leave the process groups before the interpreter exits: their threads stop in order
+torch.distributed.destroy_process_group()

@@ -80,3 +80,6 @@ path = os.path.join(tempfile.gettempdir(), "meshpipe-stage-meshes-example")
 meshpipe.checkpoint.save(pipe, path, optimizer=opt, extra={"step": 30})
 if rank == 0:
     print(f"saved {path}; it loads into any layout or into the unsplit model")
+
+# leave the process groups before the interpreter exits: their threads stop in order
+torch.distributed.destroy_process_group()

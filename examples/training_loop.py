@@ -70,3 +70,6 @@ for step in range(20):
                 f"mae {metrics['mae'].item():.4f}  3-row batch {short.item():.4f}",
                 flush=True,
             )
+
+# leave the process groups before the interpreter exits: their threads stop in order
+torch.distributed.destroy_process_group()
