@@ -118,6 +118,64 @@ def test_exception_in_one_stage_stops_every_rank() -> None:
         assert "cannot run any more: an earlier step failed" in again, again
 
 
+def _forward_only_failures() -> dict[str, tuple[str, str, float]]:
+    """Forward-only steps send nothing back upstream: a failure on the last stage (its
+    module in forward(), metrics_fn or loss_fn in eval_step) must still stop every rank."""
+    mesh = meshpipe.init_mesh(pp=3)
+    x, y = torch.randn(8, D), torch.randn(8, D)
+
+    def bad_metrics(out: torch.Tensor, _y: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise ValueError("bad metrics_fn")
+
+    def bad_loss(out: torch.Tensor, _y: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad loss_fn")
+
+    def good_metrics(out: torch.Tensor, y_: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"mae": (out - y_).abs().mean()}
+
+    cases: dict[str, tuple[Any, Any]] = {
+        "forward": (None, lambda pipe: pipe.forward(x)),
+        "metrics_fn": (mse, lambda pipe: pipe.eval_step(x, target=y, metrics_fn=bad_metrics)),
+        "loss_fn": (bad_loss, lambda pipe: pipe.eval_step(x, target=y)),
+    }
+    out: dict[str, tuple[str, str, float]] = {}
+    for name, (loss_fn, call) in cases.items():
+        torch.manual_seed(0)
+        last: nn.Module = OnCall(_boom) if name == "forward" else nn.Linear(D, D)
+        stages = [nn.Linear(D, D), nn.Linear(D, D), last]
+        pipe = meshpipe.Pipeline(
+            stages, mesh, "1f1b", num_microbatches=4, loss_fn=loss_fn, timeout=60
+        )
+        pipe.eval_step(x, target=y, metrics_fn=good_metrics) if loss_fn is mse else None
+        t0 = time.monotonic()
+        try:
+            call(pipe)
+            out[name] = ("nothing", "", time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001
+            out[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+    return out
+
+
+def test_a_failure_in_a_forward_only_step_stops_every_rank() -> None:
+    """Before: upstream ranks returned from forward() as if nothing happened, and waited out
+    the whole timeout in eval_step's loss broadcast."""
+    results = run_on_ranks(_forward_only_failures, 3, timeout=200)
+    words = {"forward": "boom in the last stage", "metrics_fn": "bad metrics_fn"}
+    words["loss_fn"] = "bad loss_fn"
+    for case, text in words.items():
+        kinds = [r[case][0] for r in results]
+        assert kinds[:2] == ["RemoteStageError", "RemoteStageError"], (case, results)
+        assert kinds[2] in ("RuntimeError", "ValueError"), (case, results[2][case])
+        for *_, seconds in (r[case] for r in results):
+            assert seconds < 30, f"{case}: {seconds:.1f}s to stop, the timeout is 60s"
+        # the failed rank and its peer name the cause; rank 0, whose part of the step had
+        # ended, learns it from the step's closing collective (or from a notice, if early)
+        for _kind, msg, _s in (results[1][case], results[2][case]):
+            assert text in msg, (case, msg)
+        first = results[0][case][1]
+        assert (text in first and "rank 2 failed" in first) or "failed after" in first, first
+
+
 def _peer_never_comes() -> tuple[str, str, dict[str, Any]]:
     mesh = meshpipe.init_mesh(pp=2)
     pipe = meshpipe.Pipeline(blocks(2), mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=2.0)

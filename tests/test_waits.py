@@ -1,6 +1,7 @@
 """The CUDA watchdog (runtime/waits.py) on its own: it bounds works the host does not wait
 for. On CPU nothing else drives it (gloo waits on the host), so its rules are checked here
-with works whose completion the test controls; the GPU tests run it for real."""
+with works whose completion the test controls; the GPU tests run it for real. And the
+closing flag's rule (runtime/closing.py): read on CPU meshes only."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from meshpipe.errors import CommTimeoutError
+from meshpipe.runtime.closing import failed_elsewhere, reads_closing
 from meshpipe.runtime.waits import Watchdog
 
 
@@ -69,3 +72,15 @@ def test_works_done_in_time_leave_no_error_and_no_thread() -> None:
     with pytest.raises(CommTimeoutError, match="later"):
         dog.check()
     later.done.set()
+
+
+def test_the_closing_flag_is_read_on_cpu_meshes_only() -> None:
+    """On CUDA reading it would make the host wait for the GPU every step."""
+    assert reads_closing(torch.device("cpu"))
+    assert not reads_closing(torch.device("cuda", 0))
+    cpu = torch.device("cpu")
+    assert failed_elsewhere(torch.tensor(0.0, dtype=torch.float64), cpu, rank=1) == ""
+    assert failed_elsewhere(0, cpu, rank=1) == ""
+    why = failed_elsewhere(torch.tensor(2.0, dtype=torch.float64), cpu, rank=1)
+    assert why.startswith("rank 1 stopped: 2 process(es)"), why
+    assert failed_elsewhere(2, torch.device("cuda", 0), rank=1) == ""  # never read there

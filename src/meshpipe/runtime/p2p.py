@@ -18,9 +18,10 @@ naming the stage and both descriptions (see docs/runtime.md).
 
 What is posted, and when, is the program of :mod:`meshpipe.schedule.program`; this class
 posts each group before the action at its position. A rank that fails sends an error on
-ctrl to every peer it sends to, then plays out the rest of its program with zero-filled
-sends and scratch receives, so that no peer is left waiting on data; peers see the error
-at their next receive or at the end of the step and raise RemoteStageError.
+ctrl to every peer it exchanges data with (either way: end markers and errors also travel
+against a forward-only step's data flow), then plays out the rest of its program with
+zero-filled sends and scratch receives, so that no peer is left waiting on data; peers see
+the error at their next receive or at the end of the step and raise RemoteStageError.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class Comm:
         self._recvs: dict[tuple[int, Transfer], _Recv] = {}
         self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
         self._readers: dict[int, Reader] = {}
-        self._send_peers: set[int] = set()
+        self._links: set[int] = set()  # peers exchanging end markers and failure notices
+        self._ended: set[int] = set()  # links whose end markers were exchanged, this step
         self._watchdog = watchdog  # set on CUDA: device waits are stream waits, bounded by it
         self._next_position = 0
         # checks to pass before the first transfer of the step (see Pipeline._check_call)
@@ -166,9 +168,11 @@ class Comm:
                 self._program.setdefault(position, []).append(mine)
         groups = [g for p in sorted(self._program) for g in self._program[p]]
         self._ahead.load(groups, self._recv_bytes)
-        recv_peers = {op.peer for g in groups for op in g if op.op == "recv"}
-        self._send_peers = {op.peer for g in groups for op in g if op.op == "send"}
-        for p in sorted(recv_peers):
+        # the ctrl links of the step: every peer this process sends to or receives from, in
+        # both directions, so that a failure reaches every peer, also upstream of it in a
+        # forward-only step (which sends nothing back); in training the pairs are the same
+        self._links = {op.peer for g in groups for op in g}
+        for p in sorted(self._links):
             reader = self._all_readers.get(p)
             if reader is None:
                 reader = self._all_readers[p] = Reader(self.rank, p)
@@ -183,11 +187,12 @@ class Comm:
             self._wait(work, deadline, "send", peer)
         self._sends.clear()
         end = wire.end_marker()
-        markers = [(self._ctrl_send(p, end), p) for p in self._send_peers]
+        markers = [(self._ctrl_send(p, end), p) for p in self._links]
         for work, peer in markers:
             self._wait(work, deadline, "end-of-step marker", peer)
         for peer, reader in self._readers.items():
             kind, _ = reader.next(deadline, "the end of the step")
+            self._ended.add(peer)  # both markers are through: that peer's part is over
             if kind != "end":
                 raise PipelineError(
                     f"rank {self.rank}: rank {peer} sent more values than this rank's schedule "
@@ -214,7 +219,7 @@ class Comm:
         """End a step refused at its gate (on every rank alike): end markers only."""
         deadline = time.monotonic() + min(self.timeout, 30.0)
         end = wire.end_marker()
-        for work in [self._ctrl_send(p, end) for p in self._send_peers]:
+        for work in [self._ctrl_send(p, end) for p in self._links]:
             self._wait(work, deadline, "end-of-step marker", -1)
         for reader in self._readers.values():
             try:
@@ -443,9 +448,14 @@ class Comm:
     def abort(self, reason: str, play_out: bool = True) -> None:
         """Tell the peers this rank failed, then (``play_out``) play out the rest of the
         program with zero-filled sends and scratch receives, so no peer waits on data
-        (bounded). After a timeout there is no point: the peer waited for is stuck."""
+        (bounded). After a timeout there is no point: the peer waited for is stuck. Peers
+        that reported a failure themselves get no notice and are not waited for: they are
+        stopping (and may be gone), so a wait on them would only delay this rank's error."""
+        failed = {p for p, r in self._readers.items() if r.error or r.poll_error()}
         notices = []
-        for peer in sorted(self._send_peers):
+        # a link whose end markers were exchanged reads no more this step: it learns of the
+        # failure from the step's closing collective (Pipeline), not from a notice
+        for peer in sorted(self._links - failed - self._ended):
             try:
                 msg = wire.make_header({"e": reason, "r": self.rank})
                 notices.append((self._ctrl_send(peer, msg), peer))
@@ -473,9 +483,9 @@ class Comm:
                     buf = torch.zeros(shape, dtype=dtype, device=self.device)
                     if buf.numel():
                         ops.append((op.op, buf, op.peer))
-        pending = [w for w, _t, _p in self._sends] if play_out else []
+        pending = [(w, p) for w, _t, p in self._sends] if play_out else []
         try:
-            pending += self._issue(ops)
+            pending += [(w, op[2]) for w, op in zip(self._issue(ops), ops, strict=True)]
         except Exception:
             log.debug("could not play out the program", exc_info=True)
         deadline = time.monotonic() + min(self.timeout, 10.0)
@@ -484,7 +494,9 @@ class Comm:
                 self._wait(work, deadline, "failure notice", peer)
             except Exception:
                 log.debug("failure notice to rank %d not delivered", peer, exc_info=True)
-        for work in pending:
+        for work, peer in pending:
+            if peer in failed:
+                continue
             try:
                 self._wait(work, deadline, "playing out the step after a failure", -1)
             except Exception:

@@ -19,18 +19,14 @@ from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.accumulate import Accumulator
 from meshpipe.runtime.agree import CallCheck, check_mode
 from meshpipe.runtime.channels import Channels
+from meshpipe.runtime.closing import closing_status, failed_elsewhere, join_failed
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
 from meshpipe.runtime.descs import DescCache
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
-from meshpipe.runtime.layout import gather_parts
 from meshpipe.runtime.microbatch import (
     ChunkSpec,
-    Microbatches,
-    check_parts,
-    dp_part,
     input_signature,
-    merge_outputs,
     split_microbatches,
 )
 from meshpipe.runtime.modules import initial_mode, stage_modules
@@ -41,7 +37,12 @@ from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.schedules import Schedules
 from meshpipe.runtime.spmd import Spmd
 from meshpipe.runtime.stage import StageRunner
-from meshpipe.runtime.stage_meshes import is_stage_meshes, stage_topology
+from meshpipe.runtime.stage_meshes import (
+    is_stage_meshes,
+    local_part,
+    stage_topology,
+    take_outputs,
+)
 from meshpipe.runtime.topology import Topology, pp_channels
 from meshpipe.runtime.trace import save_trace
 from meshpipe.runtime.waits import Watchdog
@@ -341,31 +342,11 @@ class Pipeline:
         if program is None:
             program = self._programs[key] = program_positions(schedule, topo.pp_rank)
         comm = Comm(
-            self._channels,
-            topo.layout.me,
-            self.timeout,
-            topo.device,
-            self._descs,
-            signatures,
-            self._watchdog,
-            self._readers,
-            topo.layout,
-            rows,
-            topo.tp_mesh,
-        )
+            self._channels, topo.layout.me, self.timeout, topo.device, self._descs, signatures,
+            self._watchdog, self._readers, topo.layout, rows, topo.tp_mesh,
+        )  # fmt: skip
         comm.begin(*program, schedule.placement)
         return comm
-
-    def _local_part(self, mbs: Microbatches) -> Microbatches:
-        """Stage meshes: this process's dp part of every microbatch (checked for every
-        mesh on every process, so a too-small batch is refused everywhere)."""
-        lay = self.topology.layout
-        if not lay.stage_meshes:
-            return mbs
-        for pp in range(len(lay.grids)):
-            check_parts(mbs.sizes, lay.shape(pp)[0], f"pp rank {pp}'s stage mesh")
-        pp, d, _t = lay.place(lay.me)
-        return dp_part(mbs, d, lay.shape(pp)[0], self.chunk_spec)
 
     def _run(
         self,
@@ -375,12 +356,16 @@ class Pipeline:
         target: Any,
         training: bool,
         gate: Callable[[], None],
+        before_finish: Callable[[], None] | None = None,
     ) -> dict[int, Any]:
+        """Run ``schedule``'s actions; ``before_finish`` runs after them and before the
+        step's end, so a failure in it reaches every peer like one in an action. A failed
+        step joins the closing collective (runtime/closing.py) before raising."""
         try:
             whole = split_microbatches(
                 args, kwargs, target, schedule.num_microbatches, self.chunk_spec
             )
-            mbs = self._local_part(whole)
+            mbs = local_part(self.topology.layout, whole, self.chunk_spec)
             self._whole_rows = whole.sizes
         except Exception:
             gate()  # a difference between the ranks is the better message, and is collective
@@ -413,6 +398,8 @@ class Pipeline:
                 hooks=after,
                 pre_hooks=before,
             )
+            if before_finish is not None:
+                before_finish()
             comm.finish()
         except BaseException as e:
             if comm.gate is not None:  # failed before the gate: a refusal explains it better
@@ -430,6 +417,8 @@ class Pipeline:
             self._broken = f"an earlier step {what} ({type(e).__name__}: {str(e)[:300]})"
             cause = comm.remote_cause()
             comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
+            if not isinstance(e, CommTimeoutError):  # step and eval_step close on the loss
+                join_failed(self.topology, schedule, training or target is not None, self.timeout)
             self._descs = DescCache()  # descriptions are unknown after a broken step
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
@@ -443,6 +432,13 @@ class Pipeline:
             e.meshpipe_status = report  # type: ignore[attr-defined]
             raise
         return dict(losses)
+
+    def _stop_if_failed(self, failures: torch.Tensor | int) -> None:
+        """Raise if a process joined the step's closing collective as failed."""
+        why = failed_elsewhere(failures, self.topology.device, self.topology.pp_rank)
+        if why:
+            self._broken = f"an earlier step failed ({why})"
+            raise RemoteStageError(why)
 
     def step(
         self,
@@ -517,15 +513,21 @@ class Pipeline:
         infer = self._schedules.inference(num_microbatches)
         gate = self._check_call("eval_step", infer, args, kwargs, target, training=False)
         self._ensure_split(args, kwargs)
-        self._run(infer, args, kwargs, target, False, gate)
         last = self._runners.get(infer.num_stages - 1)
-        records, metrics = eval_records(last, self._last_mbs, metrics_fn, self.topology.device)
+        scored: list[Any] = []  # loss_fn and metrics_fn run inside the step: see _run
+
+        def score() -> None:
+            scored.extend(eval_records(last, self._last_mbs, metrics_fn, self.topology.device))
+
+        self._run(infer, args, kwargs, target, False, gate, before_finish=score)
+        records, metrics = scored
         topo = self.topology
         src = topo.pp_global_ranks[infer.placement[-1]]
-        loss, _ = reduce_loss(
+        loss, _, failures = reduce_loss(
             records, self._contributes, src, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self._watchdog, stage_meshes=topo.stage_meshes,
         )  # fmt: skip
+        self._stop_if_failed(failures)
         self._status.phase = "idle"
         self._steps += 1
         if metrics_fn is None:
@@ -537,16 +539,10 @@ class Pipeline:
         return loss.to(torch.float32), reduced
 
     def _take_outputs(self, sched: Schedule) -> Any:
-        runner = self._runners.get(sched.num_stages - 1)
-        if runner is None:
-            return None
-        out = [runner.outputs[mb] for mb in range(sched.num_microbatches)]
-        runner.outputs.clear()
-        runner.keep_outputs = False
         topo = self.topology
-        if topo.stage_meshes and topo.dp_group is not None:  # the whole batch's rows
-            out = gather_parts(out, self._whole_rows, topo.dp_group, self.timeout)
-        return merge_outputs(out)
+        runner = self._runners.get(sched.num_stages - 1)
+        dp_group = topo.dp_group if topo.stage_meshes else None  # parts of the whole rows
+        return take_outputs(runner, sched, dp_group, self._whole_rows, self.timeout)
 
     def _reduce(
         self, losses: dict[int, Any], params: list[nn.Parameter], sched: Schedule, gs: float
@@ -555,11 +551,12 @@ class Pipeline:
         in no_sync) and scaled by the loss normalisation times ``gs`` (grad_scale)."""
         factor = self._spmd.finish_step(self.timeout, self._watchdog)
         topo = self.topology
-        loss, scale = reduce_loss(
+        loss, scale, failures = reduce_loss(
             losses, self._contributes, topo.pp_global_ranks[sched.placement[-1]],
             topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self._watchdog, stage_meshes=topo.stage_meshes,
         )  # fmt: skip
+        self._stop_if_failed(failures)
         if self._whole is not None and not topo.stage_meshes:
             self._whole.sync_grads()  # tied weights: sum over the stages holding them
         dp_group = topo.dp_group
@@ -592,6 +589,8 @@ class Pipeline:
         gate = self._check_call("forward", infer, args, kwargs, None, training=False)
         self._ensure_split(args, kwargs)
         self._run(infer, args, kwargs, None, False, gate)
+        if self.topology.device.type == "cpu":  # the closing collective (runtime/closing.py)
+            self._stop_if_failed(closing_status(self.topology.pp_group, False, self.timeout))
         self._status.phase = "idle"
         self._steps += 1
         return self._take_outputs(infer)

@@ -6,14 +6,14 @@ step never waits for the GPU on the host (on CPU the same code simply runs)."""
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from meshpipe.runtime.stage import LossRecord
-from meshpipe.runtime.waits import Watchdog, wait_bounded
+from meshpipe.runtime.waits import Watchdog, wait_bounded, wait_work
 
 __all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
 
@@ -28,8 +28,12 @@ def reduce_loss(
     timeout: float = 300.0,
     watchdog: Watchdog | None = None,
     stage_meshes: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, gradient scale) as 0-dim float64 tensors on ``device``, equal on every rank.
+    failed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, gradient scale, failures) as 0-dim float64 tensors on ``device``, equal on
+    every rank. ``failures`` counts the processes that joined with ``failed=True`` (a
+    process whose step failed joins this closing collective instead of the rest of the
+    step, so that every rank learns of it: see Pipeline, CPU meshes).
 
     Mean losses are weighted by their microbatch's share: the loss is their sum, averaged
     over dp.
@@ -40,8 +44,10 @@ def reduce_loss(
     their share of it: the processes passing ``holds_last_stage`` (the last stage's mesh, tp
     coordinate 0) are summed over ``pp_group`` (the world); no averaging over dp.
     """
-    buf = torch.zeros(3, dtype=torch.float64, device=device)
-    if holds_last_stage and records:
+    buf = torch.zeros(4, dtype=torch.float64, device=device)
+    if failed:
+        buf[3] = 1.0
+    elif holds_last_stage and records:
         recs = list(records.values())
         values = [r.value for r in recs]
         if len({v.dtype for v in values}) == 1:  # one conversion for the step, not per value
@@ -61,7 +67,25 @@ def reduce_loss(
     is_pair = buf[2] > 0.5 * dp_size  # stage meshes: one 1 per contributing process
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
     scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
-    return loss, scale
+    return loss, scale, buf[3]
+
+
+def _broadcast_names(
+    names: list[str], src: int, group: dist.ProcessGroup, timeout: float
+) -> list[str]:
+    """``names`` of global rank ``src`` on every rank of ``group`` (CPU, gloo): its length,
+    then its JSON bytes, each wait bounded (the group's own timeout is days long)."""
+    body = json.dumps(names).encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(body)], dtype=torch.int64)
+    work = dist.broadcast(size, src=src, group=group, async_op=True)
+    wait_work(work, timeout, "the metric names broadcast")
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8)  # a CPU tensor: no device read
+    if body:
+        buf.copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+    work = dist.broadcast(buf, src=src, group=group, async_op=True)
+    wait_work(work, timeout, "the metric names broadcast")
+    out: list[str] = json.loads(bytes(buf.tolist()).decode())
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,17 +105,18 @@ def _share(
     timeout: float,
     watchdog: Watchdog | None,
 ) -> int:
-    """``buf`` of the last stage's rank (global rank ``src``) to every rank: broadcast over
-    pp, then summed over dp (returns the dp size to average by); with stage meshes the
-    contributing processes' parts summed over ``pp_group`` (the world), dp size 1. Waits are
-    host waits on CPU, stream waits under the watchdog on CUDA."""
+    """``buf`` of the last stage's rank (global rank ``src``) to every rank: summed over pp
+    (every other rank adds zeros, or a failure flag), then summed over dp (returns the dp
+    size to average by); with stage meshes the contributing processes' parts summed over
+    ``pp_group`` (the world), dp size 1. Waits are host waits on CPU, stream waits under
+    the watchdog on CUDA."""
     if stage_meshes:
         work = dist.all_reduce(buf, group=pp_group, async_op=True)
         wait_bounded(work, timeout, f"the {what} all-reduce over the stage meshes", watchdog)
         return 1
-    if dist.get_world_size(pp_group) > 1:
-        work = dist.broadcast(buf, src=src, group=pp_group, async_op=True)
-        wait_bounded(work, timeout, f"the {what} broadcast over pp", watchdog)
+    if dist.get_world_size(pp_group) > 1:  # an all-reduce: any rank may flag a failure
+        work = dist.all_reduce(buf, group=pp_group, async_op=True)
+        wait_bounded(work, timeout, f"the {what} all-reduce over pp", watchdog)
     if dp_group is None:
         return 1
     work = dist.all_reduce(buf, group=dp_group, async_op=True)
@@ -141,12 +166,11 @@ def reduce_metrics(
     watchdog: Watchdog | None = None,
 ) -> dict[str, torch.Tensor]:
     """Share-weighted metric sums of the last stage's rank (global rank ``src``), the same on
-    every rank: names sent over the CPU-side group, values broadcast over pp and averaged
+    every rank: names sent over the CPU-side group, values summed over pp and averaged
     over dp, as the loss."""
-    names: list[Any] = [sorted(metrics)]
+    keys = sorted(metrics)
     if dist.get_world_size(ctrl_group) > 1:
-        dist.broadcast_object_list(names, src=src, group=ctrl_group)
-    keys: list[str] = names[0]
+        keys = _broadcast_names(keys, src, ctrl_group, timeout)
     buf = torch.zeros(len(keys), dtype=torch.float64, device=device)
     if metrics and contributes:
         buf.copy_(torch.stack([metrics[k].to(device).reshape(()) for k in keys]))

@@ -4,14 +4,24 @@ and this process's Topology among them."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError
-from meshpipe.runtime.layout import Layout
+from meshpipe.runtime.layout import Layout, gather_parts
+from meshpipe.runtime.microbatch import (
+    ChunkSpec,
+    Microbatches,
+    check_parts,
+    dp_part,
+    merge_outputs,
+)
+from meshpipe.runtime.stage import StageRunner
 from meshpipe.runtime.topology import Topology, init_default_group, mesh_device
+from meshpipe.schedule.ir import Schedule
 
 __all__ = ["init_stage_meshes", "stage_topology", "is_stage_meshes"]
 
@@ -143,3 +153,33 @@ def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
         axis_sizes={"pp": len(meshes), "dp": dp, "tp": tp},
         layout=layout,
     )
+
+
+def local_part(lay: Layout, mbs: Microbatches, chunk_spec: ChunkSpec | None) -> Microbatches:
+    """Stage meshes: this process's dp part of every microbatch (checked for every mesh on
+    every process, so a too-small batch is refused everywhere); ``mbs`` itself otherwise."""
+    if not lay.stage_meshes:
+        return mbs
+    for pp in range(len(lay.grids)):
+        check_parts(mbs.sizes, lay.shape(pp)[0], f"pp rank {pp}'s stage mesh")
+    pp, d, _t = lay.place(lay.me)
+    return dp_part(mbs, d, lay.shape(pp)[0], chunk_spec)
+
+
+def take_outputs(
+    runner: StageRunner | None,
+    sched: Schedule,
+    dp_group: dist.ProcessGroup | None,
+    whole_rows: Sequence[int],
+    timeout: float,
+) -> Any:
+    """The last stage's kept outputs of every microbatch, merged (None off the last stage);
+    with a ``dp_group`` (stage meshes only), the whole batch's rows gathered over it."""
+    if runner is None:
+        return None
+    out = [runner.outputs[mb] for mb in range(sched.num_microbatches)]
+    runner.outputs.clear()
+    runner.keep_outputs = False
+    if dp_group is not None:
+        out = gather_parts(out, whole_rows, dp_group, timeout)
+    return merge_outputs(out)
