@@ -38,9 +38,14 @@ def reads_closing(device: torch.device) -> bool:
 def join_failed(topo: Topology, schedule: Schedule, with_loss: bool, timeout: float) -> None:
     """A failed process's part of the closing collective, on CPU meshes (best effort: the
     groups may be broken, and the process raises its own error right after): the loss
-    all-reduce of ``step``/``eval_step`` (``with_loss``), else ``forward``'s status."""
+    all-reduce of ``step``/``eval_step`` (``with_loss``), else ``forward``'s status. It
+    waits at most 10 s for the others (as the play-out after a failure does): its own
+    error must not wait for a peer that is slow, or stuck in a dp reduction it never
+    joins; a peer arriving later finds the failure when this process exits or completes
+    the collective."""
     if not reads_closing(topo.device):
         return
+    timeout = min(timeout, 10.0)
     try:
         if not with_loss:
             closing_status(topo.pp_group, True, timeout)

@@ -192,12 +192,12 @@ class Comm:
             self._wait(work, deadline, "end-of-step marker", peer)
         for peer, reader in self._readers.items():
             kind, _ = reader.next(deadline, "the end of the step")
-            self._ended.add(peer)  # both markers are through: that peer's part is over
             if kind != "end":
                 raise PipelineError(
                     f"rank {self.rank}: rank {peer} sent more values than this rank's schedule "
                     "expects; the ranks are running different schedules"
                 )
+            self._ended.add(peer)  # both markers are through: that peer's part is over
         if self._watchdog is not None:
             self._watchdog.check()
         self._readers.clear()

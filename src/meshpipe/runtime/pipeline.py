@@ -417,7 +417,8 @@ class Pipeline:
             self._broken = f"an earlier step {what} ({type(e).__name__}: {str(e)[:300]})"
             cause = comm.remote_cause()
             comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
-            if not isinstance(e, CommTimeoutError):  # step and eval_step close on the loss
+            if isinstance(e, Exception) and not isinstance(e, CommTimeoutError):
+                # step and eval_step close on the loss, forward on a status (closing.py)
                 join_failed(self.topology, schedule, training or target is not None, self.timeout)
             self._descs = DescCache()  # descriptions are unknown after a broken step
             report = self.status()
