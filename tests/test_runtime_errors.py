@@ -176,6 +176,46 @@ def test_a_failure_in_a_forward_only_step_stops_every_rank() -> None:
         assert (text in first and "rank 2 failed" in first) or "failed after" in first, first
 
 
+def _dp_failure() -> tuple[str, str, float]:
+    """pp=2 x dp=2 with dp="ddp": global rank 3 (pp 1, dp 1: the last stage of the second
+    replica) fails in a forward of its second step."""
+    mesh = meshpipe.init_mesh(pp=2, dp=2)
+    rank = torch.distributed.get_rank()
+
+    def boom() -> None:
+        if rank == 3:
+            raise RuntimeError("boom on global rank 3")
+
+    torch.manual_seed(0)
+    stages = [nn.Linear(D, D), OnCall(boom, {6})]  # mb 1 of step 2
+    pipe = meshpipe.Pipeline(
+        stages, mesh, "1f1b", num_microbatches=4, loss_fn=mse, dp="ddp", timeout=60
+    )
+    x, y = torch.randn(16, D), torch.randn(16, D)
+    pipe.step(x, target=y)
+    t0 = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "nothing", "", time.monotonic() - t0
+
+
+def test_a_failure_with_dp_stops_every_process_within_bounds() -> None:
+    """The failed process waits at most 10 s for the closing collective (its dp peer never
+    joins: it waits for the failed process's reduction), then raises its own error; every
+    other process stops with a meshpipe error well inside the 60 s timeout."""
+    results = run_on_ranks(_dp_failure, 4, timeout=200)
+    kind, msg, seconds = results[3]
+    assert (kind, msg) == ("RuntimeError", "boom on global rank 3"), results[3]
+    assert seconds < 25, results[3]
+    for rank in range(3):
+        kind, msg, seconds = results[rank]
+        assert kind == "RemoteStageError", (rank, results[rank])
+        assert seconds < 40, (rank, results[rank])
+    assert "boom on global rank 3" in results[1][1]  # its pp peer (pp 0, dp 1) names it
+
+
 def _peer_never_comes() -> tuple[str, str, dict[str, Any]]:
     mesh = meshpipe.init_mesh(pp=2)
     pipe = meshpipe.Pipeline(blocks(2), mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=2.0)

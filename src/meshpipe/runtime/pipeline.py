@@ -45,7 +45,7 @@ from meshpipe.runtime.stage_meshes import (
 )
 from meshpipe.runtime.topology import Topology, pp_channels
 from meshpipe.runtime.trace import save_trace
-from meshpipe.runtime.waits import Watchdog
+from meshpipe.runtime.waits import Watchdog, translate
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.program import P2P, program_positions
 from meshpipe.split.whole import WholeModel
@@ -358,9 +358,8 @@ class Pipeline:
         gate: Callable[[], None],
         before_finish: Callable[[], None] | None = None,
     ) -> dict[int, Any]:
-        """Run ``schedule``'s actions; ``before_finish`` runs after them and before the
-        step's end, so a failure in it reaches every peer like one in an action. A failed
-        step joins the closing collective (runtime/closing.py) before raising."""
+        """Run ``schedule``'s actions, then ``before_finish`` (failing there is failing in
+        the step); a failed step joins the closing collective (runtime/closing.py)."""
         try:
             whole = split_microbatches(
                 args, kwargs, target, schedule.num_microbatches, self.chunk_spec
@@ -482,11 +481,15 @@ class Pipeline:
         self._accumulate.unstash(params, stash)
         try:
             loss = self._reduce(losses, params, sched, 1.0 if grad_scale is None else grad_scale)
-        except BaseException as e:
+        except BaseException as e:  # torch's own collectives (FSDP2) speak gloo's words
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
-            e.meshpipe_status = report  # type: ignore[attr-defined]
-            raise
+            err = translate(e, f"rank {self.topology.pp_rank}: the end-of-step reductions")
+            self._broken = f"an earlier step failed ({type(err).__name__}: {str(err)[:300]})"
+            err.meshpipe_status = report  # type: ignore[attr-defined]
+            if err is e:
+                raise
+            raise err from e
         for p, old in zip(params, stash):
             if old is not None:
                 p.grad = old if p.grad is None else p.grad.add_(old)
@@ -540,9 +543,8 @@ class Pipeline:
         return loss.to(torch.float32), reduced
 
     def _take_outputs(self, sched: Schedule) -> Any:
-        topo = self.topology
+        dp_group = self.topology.dp_group if self.topology.stage_meshes else None  # parts
         runner = self._runners.get(sched.num_stages - 1)
-        dp_group = topo.dp_group if topo.stage_meshes else None  # parts of the whole rows
         return take_outputs(runner, sched, dp_group, self._whole_rows, self.timeout)
 
     def _reduce(
