@@ -34,14 +34,16 @@ def _edge(root: Root) -> GradientEdge | None:
 
 def _with_grad(
     outputs: Sequence[Root | None], grads: Sequence[torch.Tensor | None]
-) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-    edges, gs = [], []
+) -> tuple[list[Root], list[torch.Tensor]]:
+    """The outputs that take part in backward (a gradient given, and a graph behind them:
+    a gradient edge, or a tensor requiring grad), as given, with their gradients."""
+    roots: list[Root] = []
+    gs: list[torch.Tensor] = []
     for o, g in zip(outputs, grads):
-        e = None if o is None else _edge(o)
-        if e is not None and g is not None:
-            edges.append(e)
+        if o is not None and g is not None and (isinstance(o, GradientEdge) or o.requires_grad):
+            roots.append(o)
             gs.append(g)
-    return edges, gs
+    return roots, gs
 
 
 def backward_full(
@@ -53,13 +55,8 @@ def backward_full(
 
     ``outputs`` are tensors or their gradient edges (so output data can be freed early).
     """
-    roots: list[Root] = []
-    gs: list[torch.Tensor] = []
-    for o, g in zip(outputs, grads):
-        # tensors go to the engine as they are: quicker than by their gradient edges
-        if o is not None and g is not None and (isinstance(o, GradientEdge) or o.requires_grad):
-            roots.append(o)
-            gs.append(g)
+    roots, gs = _with_grad(outputs, grads)
+    # tensors go to the engine as they are: quicker than by their gradient edges
     tensors = [r for r in roots if isinstance(r, torch.Tensor)]
     if len(tensors) == len(roots):
         if tensors:
@@ -168,11 +165,11 @@ def backward_input(
     The weights are the leaves of the graph that are not ``inputs`` (found from the graph,
     so parameters swapped in by FSDP2 or DTensor are the ones that get gradients).
     """
-    outs, gs = _with_grad(outputs, grads)
+    given, gs = _with_grad(outputs, grads)
+    outs = [e for r in given if (e := _edge(r)) is not None]  # none dropped: all have graphs
     if not outs:
         return [None for _ in inputs], WeightGrad()
-    roots = [e.node for e in outs]
-    order = _postorder(roots)
+    order = _postorder([e.node for e in outs])
     input_ids = {id(x) for x in inputs}
     acc: dict[Node, torch.Tensor] = {}
     for node in order:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from meshpipe.runtime.reduce import reduce_loss
 from meshpipe.runtime.topology import Topology
 from meshpipe.runtime.waits import wait_work
-from meshpipe.schedule.ir import Schedule
 
 __all__ = ["closing_status", "failed_elsewhere", "join_failed", "reads_closing"]
 
@@ -35,7 +34,7 @@ def reads_closing(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def join_failed(topo: Topology, schedule: Schedule, with_loss: bool, timeout: float) -> None:
+def join_failed(topo: Topology, with_loss: bool, timeout: float) -> None:
     """A failed process's part of the closing collective, on CPU meshes (best effort: the
     groups may be broken, and the process raises its own error right after): the loss
     all-reduce of ``step``/``eval_step`` (``with_loss``), else ``forward``'s status. It
@@ -50,9 +49,8 @@ def join_failed(topo: Topology, schedule: Schedule, with_loss: bool, timeout: fl
         if not with_loss:
             closing_status(topo.pp_group, True, timeout)
             return
-        src = topo.pp_global_ranks[schedule.placement[-1]]
         reduce_loss(
-            {}, False, src, topo.pp_group, topo.dp_group, topo.device, timeout=timeout,
+            {}, False, topo.pp_group, topo.dp_group, topo.device, timeout=timeout,
             stage_meshes=topo.stage_meshes, failed=True,
         )  # fmt: skip
     except Exception:

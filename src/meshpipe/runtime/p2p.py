@@ -440,7 +440,7 @@ class Comm:
     def remote_cause(self) -> RemoteStageError | None:
         """An error some peer reported during this step, if any (no waiting)."""
         for reader in self._readers.values():
-            err = reader.error or reader.poll_error()
+            err = reader.reported()
             if err is not None:
                 return err
         return None
@@ -451,7 +451,7 @@ class Comm:
         (bounded). After a timeout there is no point: the peer waited for is stuck. Peers
         that reported a failure themselves get no notice and are not waited for: they are
         stopping (and may be gone), so a wait on them would only delay this rank's error."""
-        failed = {p for p, r in self._readers.items() if r.error or r.poll_error()}
+        failed = {p for p, r in self._readers.items() if r.reported()}
         notices = []
         # a link whose end markers were exchanged reads no more this step: it learns of the
         # failure from the step's closing collective (Pipeline), not from a notice

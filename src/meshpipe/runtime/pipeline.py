@@ -19,7 +19,7 @@ from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.accumulate import Accumulator
 from meshpipe.runtime.agree import CallCheck, check_mode
 from meshpipe.runtime.channels import Channels
-from meshpipe.runtime.closing import closing_status, failed_elsewhere, join_failed
+from meshpipe.runtime.closing import closing_status, failed_elsewhere, join_failed, reads_closing
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
 from meshpipe.runtime.descs import DescCache
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
@@ -418,7 +418,7 @@ class Pipeline:
             comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
             if isinstance(e, Exception) and not isinstance(e, CommTimeoutError):
                 # step and eval_step close on the loss, forward on a status (closing.py)
-                join_failed(self.topology, schedule, training or target is not None, self.timeout)
+                join_failed(self.topology, training or target is not None, self.timeout)
             self._descs = DescCache()  # descriptions are unknown after a broken step
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
@@ -528,7 +528,7 @@ class Pipeline:
         topo = self.topology
         src = topo.pp_global_ranks[infer.placement[-1]]
         loss, _, failures = reduce_loss(
-            records, self._contributes, src, topo.pp_group, topo.dp_group, topo.device,
+            records, self._contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self._watchdog, stage_meshes=topo.stage_meshes,
         )  # fmt: skip
         self._stop_if_failed(failures)
@@ -555,8 +555,7 @@ class Pipeline:
         factor = self._spmd.finish_step(self.timeout, self._watchdog)
         topo = self.topology
         loss, scale, failures = reduce_loss(
-            losses, self._contributes, topo.pp_global_ranks[sched.placement[-1]],
-            topo.pp_group, topo.dp_group, topo.device,
+            losses, self._contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self._watchdog, stage_meshes=topo.stage_meshes,
         )  # fmt: skip
         self._stop_if_failed(failures)
@@ -592,7 +591,7 @@ class Pipeline:
         gate = self._check_call("forward", infer, args, kwargs, None, training=False)
         self._ensure_split(args, kwargs)
         self._run(infer, args, kwargs, None, False, gate)
-        if self.topology.device.type == "cpu":  # the closing collective (runtime/closing.py)
+        if reads_closing(self.topology.device):  # the closing collective (closing.py)
             self._stop_if_failed(closing_status(self.topology.pp_group, False, self.timeout))
         self._status.phase = "idle"
         self._steps += 1

@@ -108,6 +108,10 @@ class Reader:
             ) from item
         return kind, item
 
+    def reported(self) -> RemoteStageError | None:
+        """The error the peer reported in this epoch, raised here already or still queued."""
+        return self.error or self.poll_error()
+
     def poll_error(self) -> RemoteStageError | None:
         """An error the peer has already reported, without waiting (values stay queued)."""
         if not self.error_queued:

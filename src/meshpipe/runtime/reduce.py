@@ -21,7 +21,6 @@ __all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
 def reduce_loss(
     records: Mapping[int, LossRecord],
     holds_last_stage: bool,
-    last_stage_global_rank: int,
     pp_group: dist.ProcessGroup,
     dp_group: dist.ProcessGroup | None,
     device: torch.device,
@@ -54,15 +53,13 @@ def reduce_loss(
             stacked = torch.stack(values).to(device=device, dtype=torch.float64)
         else:
             stacked = torch.stack([v.to(device=device, dtype=torch.float64) for v in values])
-        weights = tuple(r.share if r.count is None else 1.0 for r in recs)
+        weights = tuple(r.share for r in recs)  # 1 for (sum, count) pairs
         buf[0] = (stacked * _weights(weights, device)).sum()
-        counts = [r.count for r in records.values() if r.count is not None]
+        counts = [r.count for r in recs if r.count is not None]
         if counts:
             buf[1] = torch.stack([c.to(device) for c in counts]).sum()
             buf[2] = 1.0
-    dp_size = _share(
-        buf, "loss", last_stage_global_rank, pp_group, dp_group, stage_meshes, timeout, watchdog
-    )
+    dp_size = _share(buf, "loss", pp_group, dp_group, stage_meshes, timeout, watchdog)
     # read nothing on the host: a total count of 0 gives inf/nan, as in plain PyTorch
     is_pair = buf[2] > 0.5 * dp_size  # stage meshes: one 1 per contributing process
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
@@ -98,14 +95,13 @@ def _weights(weights: tuple[float, ...], device: torch.device) -> torch.Tensor:
 def _share(
     buf: torch.Tensor,
     what: str,
-    src: int,
     pp_group: dist.ProcessGroup,
     dp_group: dist.ProcessGroup | None,
     stage_meshes: bool,
     timeout: float,
     watchdog: Watchdog | None,
 ) -> int:
-    """``buf`` of the last stage's rank (global rank ``src``) to every rank: summed over pp
+    """``buf`` of the last stage's rank to every rank: summed over pp
     (every other rank adds zeros, or a failure flag), then summed over dp (returns the dp
     size to average by); with stage meshes the contributing processes' parts summed over
     ``pp_group`` (the world), dp size 1. Waits are host waits on CPU, stream waits under
@@ -175,7 +171,7 @@ def reduce_metrics(
     if metrics and contributes:
         buf.copy_(torch.stack([metrics[k].to(device).reshape(()) for k in keys]))
     if keys:  # stage meshes: parts weighted by their share of the batch, a plain sum
-        dp_size = _share(buf, "metrics", src, pp_group, dp_group, stage_meshes, timeout, watchdog)
+        dp_size = _share(buf, "metrics", pp_group, dp_group, stage_meshes, timeout, watchdog)
         if dp_size > 1:
             buf /= dp_size
     return {k: buf[i].to(torch.float32) for i, k in enumerate(keys)}

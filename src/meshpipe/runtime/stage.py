@@ -24,7 +24,8 @@ LossFn = Callable[[Any, Any], Any]
 
 @dataclass
 class LossRecord:
-    """The last stage's loss for one microbatch: mean-weighted value, or a (sum, count) pair."""
+    """The last stage's loss for one microbatch: a mean loss and its share of the batch (the
+    end of the step weights it), or a (sum, count) pair (share 1)."""
 
     value: torch.Tensor  # 0-dim, detached, on the stage's device (never read on the host)
     count: torch.Tensor | None  # None: a mean loss, to be weighted by ``share``
@@ -154,7 +155,8 @@ class StageRunner:
         share: float,
         mb: int,
     ) -> list[Any]:
-        """The output roots of F run again (the weighted loss on the last stage)."""
+        """The output roots of F run again (the loss on the last stage: its seed, saved by
+        F, carries the microbatch's share)."""
         out = self._call(value, *mb_inputs)
         if self.is_last:
             return [_root_of(self._loss(out, target, share, mb)[0])]
