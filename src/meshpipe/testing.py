@@ -50,12 +50,15 @@ def share_gpu(rank: int, label: str = "test") -> None:
     os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 
-def _context(start_method: str | None) -> Any:
-    """The multiprocessing context ranks start from: by default a fork server that has
-    imported torch and meshpipe once (``PRELOAD``), so a rank starts in a fraction of a
-    second instead of importing torch afresh; ``"spawn"`` where there is no fork server."""
+def _context(start_method: str | None, device: str) -> Any:
+    """The multiprocessing context ranks start from: by default, on CPU, a fork server that
+    has imported torch and meshpipe once (``PRELOAD``), so a rank starts in a fraction of a
+    second instead of importing torch afresh; ``"spawn"`` where there is no fork server,
+    and for CUDA ranks (a process forked after CUDA was initialised cannot use it, so
+    they start from scratch rather than trust that nothing imported had touched it)."""
     if start_method is None:
-        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        forkserver = device == "cpu" and "forkserver" in mp.get_all_start_methods()
+        start_method = "forkserver" if forkserver else "spawn"
     if start_method not in mp.get_all_start_methods():
         raise ValueError(
             f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}"
@@ -129,17 +132,18 @@ def run_on_ranks(
     so NCCL accepts two ranks on one GPU): a testing aid for NCCL code on one GPU, far
     slower than real multi-GPU communication and never meant for training.
 
-    Ranks start from a fork server that imported torch and meshpipe once, at the first call
-    (``start_method=None``, where the platform has one): a call then starts its ranks in
-    well under a second instead of seconds each. Each rank gets the caller's environment
-    variables as they are at the call; settings torch reads only when it is imported are
-    those of the first call. ``start_method="spawn"`` starts every rank from scratch.
+    CPU ranks start from a fork server that imported torch and meshpipe once, at the first
+    call (``start_method=None``, where the platform has one): a call then starts its ranks
+    in well under a second instead of seconds each; CUDA ranks are spawned. Each rank gets
+    the caller's environment variables as they are at the call; settings torch reads only
+    when it is imported are those of the first call. ``start_method="spawn"`` starts every
+    rank from scratch.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    ctx = _context(start_method)
+    ctx = _context(start_method, device)
     results = ctx.Queue()
     environ = dict(os.environ)
     port = free_port()
