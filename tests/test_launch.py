@@ -89,8 +89,12 @@ def _script(tmp_path: Path, name: str, text: str) -> Path:
     return path
 
 
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], timeout: float, tmp: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if tmp is not None:  # the launcher's temporary folders go there
+        env["TMPDIR"] = str(tmp)
     return subprocess.run(
         args, capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
@@ -99,7 +103,9 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(120)
 def test_ranks_get_torchrun_env_and_failures_are_reported(tmp_path: Path) -> None:
     script = _script(tmp_path, "env.py", ENV_SCRIPT)
-    proc = _run([*LAUNCH, "-n", "2", str(script), str(tmp_path), "fail", "--flag"], 60)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = _run([*LAUNCH, "-n", "2", str(script), str(tmp_path), "fail", "--flag"], 60, temp)
     for rank in (0, 1):
         fields = (tmp_path / f"rank{rank}.txt").read_text().split()
         assert fields == [str(rank), "2", str(rank), "127.0.0.1", "1", "fail", "--flag"]
@@ -109,6 +115,8 @@ def test_ranks_get_torchrun_env_and_failures_are_reported(tmp_path: Path) -> Non
     expected = f"global rank 1 FAILED outside a pipeline; at env.py:{exit_line} in <module>"
     assert f"{expected}: SystemExit: 3" in proc.stderr
     assert "global rank 0 finished its script" in proc.stderr
+    # nothing left behind: no status folder, no torchelastic_* folder per launch
+    assert sorted(p.name for p in temp.iterdir()) == [], proc.stderr
 
 
 @pytest.mark.timeout(120)

@@ -91,7 +91,7 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _config(num_ranks: int, max_restarts: int) -> LaunchConfig:
+def _config(num_ranks: int, max_restarts: int, log_dir: str) -> LaunchConfig:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -106,7 +106,9 @@ def _config(num_ranks: int, max_restarts: int) -> LaunchConfig:
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(),  # ranks write to our stdout/stderr
+        # ranks write to our stdout/stderr; the agent's per-rank folders (error files) go
+        # under log_dir, which launch() removes, not into a new /tmp/torchelastic_* each run
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     # Bound the wait for ranks to stop (and report) before they are killed when the agent
     # itself is stopped (Ctrl-C); older torch versions without the field ignore it. After
@@ -145,8 +147,11 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    config = _config(num_ranks, max_restarts)
-    with tempfile.TemporaryDirectory(prefix="meshpipe-status-") as status_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="meshpipe-status-") as status_dir,
+        tempfile.TemporaryDirectory(prefix="meshpipe-agent-") as agent_dir,
+    ):
+        config = _config(num_ranks, max_restarts, agent_dir)
         values = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         values.update(env or {})
         values[STATUS_DIR_ENV] = status_dir
