@@ -34,14 +34,17 @@ def reads_closing(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def join_failed(topo: Topology, with_loss: bool, timeout: float) -> None:
+def join_failed(topo: Topology, with_loss: bool, timeout: float, dp: bool = True) -> None:
     """A failed process's part of the closing collective, on CPU meshes (best effort: the
     groups may be broken, and the process raises its own error right after): the loss
-    all-reduce of ``step``/``eval_step`` (``with_loss``), else ``forward``'s status. It
-    waits at most 10 s for the others (as the play-out after a failure does): its own
-    error must not wait for a peer that is slow, or stuck in a dp reduction it never
-    joins; a peer arriving later finds the failure when this process exits or completes
-    the collective."""
+    all-reduce of ``step``/``eval_step`` (``with_loss``), else ``forward``'s status; over
+    dp only where its dp peers reach that collective (``dp``): where they wait in a dp
+    collective of the actions instead (DDP's gradient all-reduce, FSDP2's gathers), a
+    different collective on their group would be a mismatch (gloo aborts the process), so
+    they learn of the failure when this process exits. It waits at most 10 s for the
+    others (as the play-out after a failure does): its own error must not wait for a peer
+    that is slow; a peer arriving later finds the failure when this process exits or
+    completes the collective."""
     if not reads_closing(topo.device):
         return
     timeout = min(timeout, 10.0)
@@ -50,7 +53,7 @@ def join_failed(topo: Topology, with_loss: bool, timeout: float) -> None:
             closing_status(topo.pp_group, True, timeout)
             return
         reduce_loss(
-            {}, False, topo.pp_group, topo.dp_group, topo.device, timeout=timeout,
+            {}, False, topo.pp_group, topo.dp_group if dp else None, topo.device, timeout=timeout,
             stage_meshes=topo.stage_meshes, failed=True,
         )  # fmt: skip
     except Exception:

@@ -137,6 +137,7 @@ class Comm:
         self._ahead = RecvAhead(0 if channels.batched or self.strict else lookahead_budget())
         self._last_group: list[Any] = []
         self._waited: dict[int, Any] = {}  # id -> work (kept alive so ids stay unique)
+        self.orphans: list[Any] = []  # unfinished works of an aborted step (see abort)
         # descriptions first seen this step; the cache is only updated when the step ends
         # well, so both ends of a stream decide "new or known" from the same state
         self._new_send: dict[DescKey, Desc] = {}
@@ -501,6 +502,15 @@ class Comm:
                 self._wait(work, deadline, "playing out the step after a failure", -1)
             except Exception:
                 log.debug("a play-out transfer did not complete", exc_info=True)
+        # keep the works of unfinished transfers alive with this Comm (the Pipeline keeps
+        # the failed step's): gloo breaks a group whose pending receive is freed, and the
+        # step's closing collective on that group then never completes (10 s lost per
+        # failure before this)
+        self.orphans = [
+            *(w for r in self._recvs.values() for w in r.works),
+            *(w for w, _t, _p in self._sends),
+            *(w for w, _p in pending),
+        ]
         self._sends.clear()
         self._recvs.clear()
 

@@ -418,7 +418,8 @@ class Pipeline:
             comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
             if isinstance(e, Exception) and not isinstance(e, CommTimeoutError):
                 # step and eval_step close on the loss, forward on a status (closing.py)
-                join_failed(self.topology, training or target is not None, self.timeout)
+                dp = not self._spmd.collectives_in_actions(training, self._accumulate.usual)
+                join_failed(self.topology, training or target is not None, self.timeout, dp)
             self._descs = DescCache()  # descriptions are unknown after a broken step
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))

@@ -148,6 +148,13 @@ class Spmd:
             )
         return float(self.topo.dp_size) if self._fsdp else 1.0
 
+    def collectives_in_actions(self, training: bool, sync: bool) -> bool:
+        """Whether a step's actions run dp collectives (FSDP2's gathers and reduce-scatters,
+        DDP's per-stage gradient all-reduces in a synced training step): a process that
+        fails leaves its dp peers in one of those, never at the step's closing collective,
+        which it must then not join over dp (runtime/closing.py)."""
+        return bool(self._fsdp) or (training and sync and bool(self._syncs))
+
     @property
     def uses_fsdp(self) -> bool:
         return bool(self._fsdp)
