@@ -218,7 +218,8 @@ def test_a_failure_with_dp_stops_every_process_at_once(dp: str, no_sync: bool) -
     assert seconds < 5, results[3]
     for rank in range(3):
         kind, msg, seconds = results[rank]
-        assert kind in ("RemoteStageError", "RuntimeError"), (rank, results[rank])
+        # FSDP2's and DDP's collectives too: meshpipe's error, not gloo's words
+        assert kind == "RemoteStageError", (rank, results[rank])
         assert seconds < 8, (rank, results[rank])  # the 10 s bound was hit before
     assert results[1][0] == "RemoteStageError", results[1]
     assert "boom on global rank 3" in results[1][1]  # its pp peer (pp 0, dp 1) names it

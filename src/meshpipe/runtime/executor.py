@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from meshpipe.runtime.microbatch import Microbatches
 from meshpipe.runtime.p2p import Comm
 from meshpipe.runtime.stage import LossRecord, StageRunner, as_stage_input
+from meshpipe.runtime.waits import translate
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.ir import Action, Op, Schedule
 
@@ -32,6 +33,20 @@ class RankStatus:
     action: Action | None = None
     waiting_for: int | None = None
     phase: str = "idle"  # "pipeline" (running actions), "reduce" (end-of-step reductions)
+
+
+def _run_hooks(hooks: list[Callable[[], None]], action: Action, rank: int) -> None:
+    """Run an action's dp hooks (FSDP2's gathers and reduce-scatters, DDP's gradient
+    all-reduce): torch's collectives report a peer that stopped in gloo's words, which
+    become meshpipe's errors here (these are meshpipe's own calls, never user code)."""
+    try:
+        for hook in hooks:
+            hook()
+    except RuntimeError as e:
+        err = translate(e, f"rank {rank}: the dp collectives of {action}", peer_name="a dp peer")
+        if err is e:
+            raise
+        raise err from e
 
 
 def run_actions(
@@ -68,8 +83,7 @@ def run_actions(
         status.action = a
         comm.post(i)  # the previous action's send and this action's receive, together
         if pre_hooks and a in pre_hooks:
-            for hook in pre_hooks[a]:
-                hook()
+            _run_hooks(pre_hooks[a], a, rank)
         if a.op is Op.F:
             value: Any = None
             if s == 0:
@@ -114,8 +128,7 @@ def run_actions(
                     comm.put(Transfer("grad", s, s - 1, mb), in_grads)
             del g, in_grads
         if hooks and a in hooks:
-            for hook in hooks[a]:
-                hook()
+            _run_hooks(hooks[a], a, rank)
         records.append(ActionRecord(a, t0, t1, clock()))
     comm.post(len(row))  # the last action's send
     return losses, records
