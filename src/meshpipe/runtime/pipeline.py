@@ -24,11 +24,7 @@ from meshpipe.runtime.compiling import CompileOption, compile_options, compile_s
 from meshpipe.runtime.descs import DescCache
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
-from meshpipe.runtime.microbatch import (
-    ChunkSpec,
-    input_signature,
-    split_microbatches,
-)
+from meshpipe.runtime.microbatch import ChunkSpec, input_signature, split_microbatches
 from meshpipe.runtime.modules import initial_mode, stage_modules
 from meshpipe.runtime.p2p import Comm
 from meshpipe.runtime.reader import Reader
@@ -37,12 +33,7 @@ from meshpipe.runtime.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.schedules import Schedules
 from meshpipe.runtime.spmd import Spmd
 from meshpipe.runtime.stage import StageRunner
-from meshpipe.runtime.stage_meshes import (
-    is_stage_meshes,
-    local_part,
-    stage_topology,
-    take_outputs,
-)
+from meshpipe.runtime.stage_meshes import is_stage_meshes, local_part, stage_topology, take_outputs
 from meshpipe.runtime.topology import Topology, pp_channels
 from meshpipe.runtime.trace import save_trace
 from meshpipe.runtime.waits import Watchdog, translate
