@@ -12,7 +12,9 @@ from torch import nn
 
 from meshpipe.errors import SplitError
 from meshpipe.split.graph import Example, StageGraph, export_model, plan_stages
-from meshpipe.split.module import GraphStage, attach_tensors
+from meshpipe.split.guards import InputGuards
+from meshpipe.split.module import GraphStage, _tensors, attach_tensors
+from meshpipe.split.units import choose_units, fold_units
 
 __all__ = ["split_exported"]
 
@@ -50,6 +52,8 @@ def _canonical(model: nn.Module, graphs: Sequence[StageGraph]) -> list[set[int]]
     for sg in graphs:
         ids: set[int] = set()
         for node in sg.graph.nodes:
+            if node.op == "call_module":  # a unit: the stage holds all of it
+                ids.update(id(t) for t in _tensors(model.get_submodule(str(node.target))))
             if node.op == "get_attr" and node.target in by_name:
                 t = by_name[str(node.target)]
                 node.target = canon[id(t)]
@@ -94,9 +98,13 @@ def split_exported(
             static_example = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(device), static_example
             )
-    ep = export_model(model, args, kwargs, static_example)
-    graphs = plan_stages(ep, points)
+    units = choose_units(model, points)
+    ep, guards = export_model(model, args, kwargs, static_example, units)
+    folded = fold_units(ep, units)
+    log.info("stages call %d of %d submodules as modules", len(folded), len(units))
+    graphs = plan_stages(ep, points, folded)
     wanted = _canonical(model, graphs)
+    glue = InputGuards.from_export(ep, guards)
     in_spec = ep.call_spec.in_spec
     out_spec = ep.call_spec.out_spec
     if in_spec is None or out_spec is None:
@@ -105,7 +113,9 @@ def split_exported(
     last = len(graphs) - 1
     for s, sg in enumerate(graphs):
         stage = GraphStage(s, len(graphs), sg, in_spec, out_spec if s == last else None, device)
-        attach_tensors(stage, model, wanted[s])
+        stage.input_guards = glue
+        calls = {str(n.target) for n in sg.graph.nodes if n.op == "call_module"}
+        attach_tensors(stage, model, wanted[s], calls, others=set(folded) - calls)
         stage.train(model.training)  # the mode the graph was traced in, until told otherwise
         stages.append(stage)
     return stages

@@ -13,7 +13,8 @@ import inspect
 import logging
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import fx, nn
 from torch.export import Dim, ExportedProgram
 
 from meshpipe.errors import SplitError
+from meshpipe.split.units import GuardLog, under
 
 __all__ = ["Source", "StageGraph", "export_model", "plan_stages"]
 
@@ -85,13 +87,34 @@ def _dynamic_shapes(
 Example = tuple[tuple[Any, ...], dict[str, Any]]
 
 
+@contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """Hugging Face models trace with their KV cache off (``config.use_cache``): a training
+    step has no use for it, and the cache object it returns is no tensor pytree."""
+    config = getattr(model, "config", None)
+    on = getattr(config, "use_cache", False) is True
+    if on:
+        config.use_cache = False  # type: ignore[union-attr]
+        log.info(
+            "tracing %s with config.use_cache=False (training needs no cache)", type(model).__name__
+        )
+    try:
+        yield
+    finally:
+        if on:
+            config.use_cache = True  # type: ignore[union-attr]
+
+
 def export_model(
     model: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     static_example: Example | None = None,
-) -> ExportedProgram:
-    """``torch.export`` the model (non-strict, every input dim dynamic where it can be).
+    units: Sequence[str] = (),
+) -> tuple[ExportedProgram, GuardLog]:
+    """``torch.export`` the model (non-strict, every input dim dynamic where it can be),
+    keeping the call signatures of ``units`` (see split/units.py); returns the program and
+    the log of the shape guards recorded outside the units.
 
     If that fails, exports with static shapes on ``static_example`` (default: the same
     inputs); later calls must then have those shapes. Raises SplitError naming the
@@ -103,8 +126,17 @@ def export_model(
         tries.insert(0, (dynamic, (args, kwargs)))
     errors: list[BaseException] = []
     for shapes, (a, kw) in tries:
+        guards = GuardLog()
         try:
-            ep = torch.export.export(model, tuple(a), dict(kw), dynamic_shapes=shapes, strict=False)
+            with guards.watching(model, units), _no_cache(model):
+                ep = torch.export.export(
+                    model,
+                    tuple(a),
+                    dict(kw),
+                    dynamic_shapes=shapes,
+                    strict=False,
+                    preserve_module_call_signature=tuple(units),
+                )
         except Exception as e:  # export raises many types; all mean the same thing here
             errors.append(e)
             log.debug("torch.export with dynamic_shapes=%s failed: %s", shapes, e)
@@ -116,7 +148,7 @@ def export_model(
                 type(model).__name__,
                 errors[0],
             )
-        return ep
+        return ep, guards
     first = errors[0]
     detail = str(first).strip().splitlines()
     summary = detail[0] if detail else type(first).__name__
@@ -145,14 +177,22 @@ def _culprit(exc: BaseException) -> str:
     return found
 
 
-def _sources(ep: ExportedProgram) -> dict[str, Source]:
+def _mutation_error(what: str) -> SplitError:
+    return SplitError(
+        f"the model mutates {what} in forward outside a submodule the stages call as a "
+        "module (code of a module that spans stages, e.g. the root's forward); the split "
+        "cannot update it as one process would: move the update into a submodule (it then "
+        "runs on the stage that owns it), or pass a list of stage modules"
+    )
+
+
+def _sources(ep: ExportedProgram, units: set[str]) -> dict[str, Source]:
     sig = ep.graph_signature
-    if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
-        raise SplitError(
-            "the model mutates buffers or inputs in forward (e.g. BatchNorm running statistics: "
-            f"{sorted(sig.buffers_to_mutate.values())}); the graph split does not support "
-            "mutation: use model.eval() for such layers, or pass a list of stage modules"
-        )
+    glue = sorted(b for b in sig.buffers_to_mutate.values() if not under(b, units))
+    if glue:
+        raise _mutation_error(f"buffers {glue}")
+    if getattr(sig, "user_inputs_to_mutate", None):
+        raise _mutation_error(f"its inputs {sorted(sig.user_inputs_to_mutate.values())}")
     if getattr(sig, "inputs_to_lifted_custom_objs", None):
         raise SplitError("the model uses TorchScript custom objects, which cannot be split")
     out: dict[str, Source] = {}
@@ -174,9 +214,12 @@ def _belongs(node: fx.Node, point: str) -> bool:
 
 
 def _replicable(nodes: Sequence[fx.Node], sources: dict[str, Source]) -> set[fx.Node]:
-    """Nodes computed only from inputs, buffers and constants, without randomness."""
+    """Nodes computed only from inputs, buffers and constants, without randomness (a unit
+    call: one whose operations were all such)."""
     ok: set[fx.Node] = set()
     for node in nodes:
+        if node.op == "call_module" and not node.meta.get("meshpipe_unit", ("", False))[1]:
+            continue
         target = node.target
         tags = getattr(target, "tags", ())
         if torch.Tag.nondeterministic_seeded in tags:
@@ -239,9 +282,12 @@ def _assign(ep: ExportedProgram, points: Sequence[str], sources: dict[str, Sourc
                 "torch.cond, a torch.no_grad/autocast region around parameters, or a wrapped "
                 "function); the graph split does not handle it: pass a list of stage modules"
             )
+        if node.op == "call_module":
+            body.append(node)
         if node.op == "call_function":
             if not node.users and _op_name(node).startswith(_DROP_PREFIXES):
                 continue
+            _check_in_place(node, sources)
             body.append(node)
     kept = set(body)
     firsts = _boundaries(body, points)
@@ -376,9 +422,26 @@ def _stage_graph(
     )
 
 
-def plan_stages(ep: ExportedProgram, points: Sequence[str]) -> list[StageGraph]:
-    """One StageGraph per stage (``len(points) + 1``), cut at ``points``."""
-    sources = _sources(ep)
+def _check_in_place(node: fx.Node, sources: dict[str, Source]) -> None:
+    """An in-place operation of the glue on a buffer or input would be lost: refuse it."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return
+    for arg, value in zip(schema.arguments, node.args):
+        info = arg.alias_info
+        if info is None or not info.is_write or not isinstance(value, fx.Node):
+            continue
+        src = sources.get(value.name) if value.op == "placeholder" else None
+        if src is not None and src.kind in ("buffer", "input", "param"):
+            raise _mutation_error(f"{src.kind} {src.name!r} in place ({_op_name(node)})")
+
+
+def plan_stages(
+    ep: ExportedProgram, points: Sequence[str], units: set[str] | None = None
+) -> list[StageGraph]:
+    """One StageGraph per stage (``len(points) + 1``), cut at ``points``; ``units`` are the
+    submodules folded into module calls (their buffer updates are theirs)."""
+    sources = _sources(ep, units or set())
     plan = _assign(ep, points, sources)
     graphs = [_stage_graph(ep, plan, sources, s) for s in range(len(points) + 1)]
     sizes = [len(b) for b in plan.sends]

@@ -18,6 +18,7 @@ from torch.fx.node import map_aggregate
 
 from meshpipe.errors import SplitError
 from meshpipe.split.graph import StageGraph
+from meshpipe.split.guards import InputGuards
 
 __all__ = ["GraphStage", "attach_tensors"]
 
@@ -27,25 +28,43 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return params + [b for _, b in module.named_buffers(remove_duplicate=False)]
 
 
-def attach_tensors(dest: nn.Module, orig: nn.Module, wanted: set[int]) -> None:
-    """Give ``dest`` the tensors of ``orig`` whose ids are in ``wanted``, at the same paths."""
+def attach_tensors(
+    dest: nn.Module,
+    orig: nn.Module,
+    wanted: set[int],
+    modules: set[str] | frozenset[str] = frozenset(),
+    prefix: str = "",
+    others: set[str] | frozenset[str] = frozenset(),
+    seen: set[int] | None = None,
+) -> None:
+    """Give ``dest`` the tensors of ``orig`` whose ids are in ``wanted``, at the same paths,
+    and the submodules named in ``modules`` (the units the stage calls) whole; units of
+    other stages (``others``) never whole, nor at all when their tensors are here already (a
+    tied head's weight goes with the embedding)."""
+    seen = set() if seen is None else seen
     for name, p in orig._parameters.items():
         if p is not None and id(p) in wanted:
             dest.register_parameter(name, p)
+            seen.add(id(p))
     for name, b in orig._buffers.items():
         if b is not None and id(b) in wanted:
+            seen.add(id(b))
             dest.register_buffer(name, b, persistent=name not in orig._non_persistent_buffers_set)
     for name, child in orig._modules.items():
         if child is None:
             continue
+        path = f"{prefix}{name}"
         ids = {id(t) for t in _tensors(child)}
-        if not ids & wanted:
+        inside = any(m.startswith(path + ".") for m in modules)
+        if path in others and not inside and ids & wanted <= seen:
             continue
-        if ids <= wanted:
+        whole = ids and ids <= wanted and not inside and path not in others
+        if path in modules or whole:
             dest.add_module(name, child)  # whole: the original object
-        else:
+            seen.update(ids)
+        elif ids & wanted or inside:
             shell = nn.Module()
-            attach_tensors(shell, child, wanted)
+            attach_tensors(shell, child, wanted, modules, path + ".", others, seen)
             dest.add_module(name, shell)
 
 
@@ -78,6 +97,7 @@ class GraphStage(nn.Module):
         self._out_spec = out_spec
         self._export_device = export_device
         self._code: dict[tuple[torch.device, bool], Callable[..., Any]] = {}
+        self.input_guards: InputGuards | None = None  # the glue's shape guards (split/guards.py)
         for name, t in spec.constants.items():
             self.register_buffer(name, t, persistent=False)
 
@@ -132,6 +152,12 @@ class GraphStage(nn.Module):
                 f"structure the model was split with {spec}"
             )
         return leaves
+
+    def check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise PipelineError if these inputs (one microbatch) would take another branch of
+        the traced code than the trace did (see split/guards.py)."""
+        if self.input_guards is not None:
+            self.input_guards.check(self.model_inputs(args, kwargs), self.stage_index)
 
     def forward(self, boundary: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         received = () if boundary is None else tuple(boundary)
