@@ -21,12 +21,19 @@ __all__ = ["apply_fsdp", "fsdp_begin_step", "fsdp_reduce"]
 def apply_fsdp(
     module: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
 ) -> FSDPModule:
-    """Shard one stage's parameters over ``dp_mesh``; parameters stay gathered for the step."""
+    """Shard one stage's parameters over ``dp_mesh``, each of its blocks first (a traced
+    stage's ``meshpipe_blocks``: one FSDP2 unit per transformer block, as in one process),
+    then the stage; parameters stay gathered for the step."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    for name in getattr(module, "meshpipe_blocks", ()):
+        fully_shard(
+            module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy
+        )
     sharded: Any = fully_shard(
         module,
         mesh=dp_mesh,
         reshard_after_forward=False,
-        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        mp_policy=policy,
     )
     return sharded  # type: ignore[no-any-return]
 

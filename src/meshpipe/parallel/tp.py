@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshpipe.errors import PipelineError
+from meshpipe.parallel.conv1d import Conv1DColwise, Conv1DRowwise, is_conv1d
 
 __all__ = ["check_tp_plan", "apply_tp", "resolve_plan"]
 
@@ -38,6 +39,9 @@ def _sharded_width(module: nn.Module, style: ParallelStyle) -> tuple[str, int] |
     """(what, size) of the dimension the style splits, for layers we know."""
     colwise = isinstance(style, ColwiseParallel)
     rowwise = isinstance(style, RowwiseParallel)
+    if is_conv1d(module):
+        w = module.weight.shape
+        return ("nf", int(w[1])) if colwise else ("nx", int(w[0])) if rowwise else None
     if isinstance(module, nn.Linear):
         if colwise:
             return "out_features", module.out_features
@@ -73,12 +77,17 @@ def check_tp_plan(
             if applies is not None and not applies[i]:
                 continue
             module = stage.get_submodule(name)
-            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(
-                module, (nn.Linear, nn.Embedding)
+            conv = isinstance(style, (Conv1DColwise, Conv1DRowwise))
+            if conv != is_conv1d(module) or (
+                isinstance(style, (ColwiseParallel, RowwiseParallel))
+                and not conv
+                and not isinstance(module, (nn.Linear, nn.Embedding))
             ):
                 raise PipelineError(
                     f"tp_plan gives {type(style).__name__} to {name!r}, a "
-                    f"{type(module).__name__}; it applies to nn.Linear and nn.Embedding only"
+                    f"{type(module).__name__}; Colwise/RowwiseParallel apply to nn.Linear and "
+                    "nn.Embedding, meshpipe.parallel.Conv1DColwise/Conv1DRowwise to "
+                    "transformers' Conv1D (GPT-2)"
                 )
             width = _sharded_width(module, style)
             if width is not None and width[1] % tp_size:

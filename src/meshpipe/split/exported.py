@@ -77,6 +77,12 @@ def _canonical(model: nn.Module, graphs: Sequence[StageGraph]) -> list[set[int]]
     return wanted
 
 
+def _is_block(model: nn.Module, path: str) -> bool:
+    """A unit that is an item of a ModuleList or Sequential (a transformer block)."""
+    parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+    return isinstance(parent, (nn.ModuleList, nn.Sequential))
+
+
 def split_exported(
     model: nn.Module,
     points: Sequence[str],
@@ -116,6 +122,7 @@ def split_exported(
         stage.input_guards = glue
         calls = {str(n.target) for n in sg.graph.nodes if n.op == "call_module"}
         attach_tensors(stage, model, wanted[s], calls, others=set(folded) - calls)
+        stage.meshpipe_blocks = tuple(sorted(c for c in calls if _is_block(model, c)))
         stage.train(model.training)  # the mode the graph was traced in, until told otherwise
         stages.append(stage)
     return stages

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from meshpipe.errors import PipelineError
 from meshpipe.split.units import GuardLog
 
-__all__ = ["InputGuards"]
+__all__ = ["InputGuards", "check_traced_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,10 @@ class InputGuards:
             for size in val.shape:
                 if isinstance(size, torch.SymInt):
                     expr = size.node.expr
-                    dims.append(expr if expr.is_Symbol else None)
+                    if expr.is_number:  # specialised during the trace
+                        dims.append(int(expr))
+                    else:
+                        dims.append(expr if expr.is_Symbol else None)
                 else:
                     dims.append(int(size))
             out.dims[i] = tuple(dims)
@@ -117,3 +121,21 @@ def _where(guard: Any) -> str:
     if name and "torch" not in name:
         return f" (at {name}:{getattr(loc, 'lineno', '?')})"
     return ""
+
+
+def check_traced_shapes(
+    modules: Sequence[Any], args: Sequence[tuple[Any, ...]], kwargs: Sequence[dict[str, Any]]
+) -> None:
+    """Check every microbatch against the glue guards of the first traced stage among
+    ``modules`` (all stages of one split share them, so every rank checks the same)."""
+    stage = next((m for m in modules if getattr(m, "input_guards", None) is not None), None)
+    if stage is None:
+        return
+    seen: set[tuple[Any, ...]] = set()
+    for a, k in zip(args, kwargs):
+        key = tuple(
+            tuple(t.shape) for t in pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor)
+        )
+        if key not in seen:
+            seen.add(key)
+            stage.check_inputs(a, k)

@@ -161,6 +161,9 @@ def fold_units(ep: ExportedProgram, units: Sequence[str]) -> set[str]:
                 "call): hooks and parallel styles on it do not run",
                 call.path,
             )
+    for node in list(graph.nodes):  # sub-graphs (no_grad regions...) that only units used
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
     return folded
 
 

@@ -1,0 +1,73 @@
+"""``tp_plan="auto"``: the tensor-parallel plan a Hugging Face model declares, as torch's
+parallel styles keyed by the model's own module names (see docs/parallel.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from meshpipe.errors import PipelineError
+
+__all__ = ["auto_tp_plan", "HF_STYLES"]
+
+# transformers' style names -> torch's parallel styles (their meaning for nn.Linear)
+HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": RowwiseParallel,
+    "sequence_parallel": SequenceParallel,
+}
+
+
+def _declared(model: nn.Module) -> dict[str, str]:
+    """The model's declared plan, keys made full module names: the base model's plan (from
+    its config, under ``base_model_prefix``) and the head's own (``_tp_plan``)."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    has_prefix = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
+    for key, style in base.items():
+        plan[f"{prefix}.{key}" if has_prefix else key] = style
+    for key, style in dict(getattr(type(model), "_tp_plan", None) or {}).items():
+        plan.setdefault(key, style)
+    return plan
+
+
+def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
+    """The plan ``model`` declares, translated; PipelineError if it declares none or uses a
+    style meshpipe cannot translate (named, with the styles it can)."""
+    if not isinstance(model, nn.Module) or isinstance(model, (list, tuple, nn.ModuleList)):
+        raise PipelineError(
+            "tp_plan='auto' reads the plan a whole Hugging Face model declares; pass the "
+            "whole model (not a list of stages), or an explicit tp_plan={...}"
+        )
+    declared = _declared(model)
+    if not declared:
+        raise PipelineError(
+            f"{type(model).__name__} declares no tensor-parallel plan (its config has no "
+            "base_model_tp_plan); pass tp_plan={pattern: ParallelStyle} (docs/parallel.md "
+            "shows one for GPT-2)"
+        )
+    plan: dict[str, ParallelStyle] = {}
+    for key, style in declared.items():
+        make = HF_STYLES.get(str(style))
+        if make is None:
+            raise PipelineError(
+                f"{type(model).__name__}'s tp plan gives {key!r} the style {style!r}, which "
+                f"tp_plan='auto' cannot translate (it knows {sorted(HF_STYLES)}); pass an "
+                "explicit tp_plan={...}"
+            )
+        plan[key] = make()
+    return plan
