@@ -1,6 +1,7 @@
 """Pipeline a Hugging Face model you did not write: split it by name, built on the meta device.
 
     meshpipe launch -n 2 examples/split_llama.py
+    meshpipe launch -n 4 examples/split_llama.py --tp 2     # pp=2 x tp=2, tp_plan="auto"
     torchrun --nproc-per-node 4 examples/split_llama.py --layers 8
 
 Needs `pip install transformers`; the model is a small random-weight Llama (no download).
@@ -8,6 +9,9 @@ The model is built under torch.device("meta"), so no rank ever holds all of it: 
 traces it on the first step (torch.export on meta tensors), cuts the graph before the
 chosen layers, and each rank allocates and initialises only its own stages with the
 model's own init function. Parameter names stay those of `model.named_parameters()`.
+With --tp 2, each stage is also tensor-parallel with the plan Llama declares itself
+(tp_plan="auto": colwise q/k/v/gate/up, rowwise o/down, a gathered colwise lm_head): the
+stages call the model's own decoder layers as modules, so torch's parallel styles apply.
 """
 
 import argparse
@@ -24,13 +28,14 @@ parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--schedule", default="1f1b")
 parser.add_argument("--microbatches", type=int, default=4)
 parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside each stage")
 args = parser.parse_args()
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-pp = int(os.environ.get("WORLD_SIZE", "1"))
-mesh = meshpipe.init_mesh(pp=pp)
+pp = int(os.environ.get("WORLD_SIZE", "1")) // args.tp
+mesh = meshpipe.init_mesh(pp=pp, tp=args.tp)
 config = LlamaConfig(
     num_hidden_layers=args.layers,
     hidden_size=64,
@@ -38,7 +43,6 @@ config = LlamaConfig(
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=128,
-    use_cache=False,
     bos_token_id=0,
     eos_token_id=0,
     pad_token_id=0,
@@ -62,6 +66,7 @@ pipe = meshpipe.Pipeline(
     schedule=schedule,
     loss_fn=loss_fn,
     split_points=points,
+    tp_plan="auto" if args.tp > 1 else None,  # the plan the model's config declares
     init_fn=model._init_weights,  # how Hugging Face initialises each module
 )
 

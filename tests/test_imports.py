@@ -1,10 +1,13 @@
-"""The pure layers (schedule, sim, and the show/simulate CLI) never import torch."""
+"""The pure layers (schedule, sim, and the show/simulate CLI) never import torch; the public
+names mean one thing whatever the import order."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 CODE = textwrap.dedent(
     """
@@ -55,3 +58,56 @@ def test_torch_older_than_tested_is_warned_about_once() -> None:
         assert check_torch_version("2.11.0+cu130") is True
         assert check_torch_version("2.13.0+cpu") is True
         assert check_torch_version("3.0.0a0") is True
+
+
+SPLIT_ORDERS = {
+    # meshpipe.split first: the lazy attribute; then a Pipeline's import loads
+    # meshpipe.split.whole, and the package is imported by name
+    "attribute_first": """
+        import types
+        import meshpipe
+        s = meshpipe.split
+        assert isinstance(s, types.ModuleType), type(s)
+        meshpipe.Pipeline
+        assert meshpipe.split is s
+        import meshpipe.split
+        assert meshpipe.split is s
+        from meshpipe import split
+        assert split is s
+    """,
+    # the package imported first (as meshpipe.runtime does), then the attribute
+    "import_first": """
+        import types
+        import meshpipe.split
+        import meshpipe
+        s = meshpipe.split
+        assert isinstance(s, types.ModuleType), type(s)
+        from meshpipe import split
+        assert split is s
+    """,
+}
+
+SPLIT_USE = """
+    import torch
+    from torch import nn
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    stages = meshpipe.split(net, points=["2"])
+    assert len(stages) == 2
+    x = torch.randn(3, 4)
+    assert torch.equal(meshpipe.split.run_stages(stages, x), net(x))
+    assert meshpipe.split.split is meshpipe.split.api.split
+    assert "split" in meshpipe.__all__ and "split" in dir(meshpipe)
+    print("SPLIT OK")
+"""
+
+
+@pytest.mark.parametrize("order", sorted(SPLIT_ORDERS))
+def test_meshpipe_split_is_the_callable_package_in_any_import_order(order: str) -> None:
+    """``meshpipe.split`` is one object whatever came first: callable as the function and
+    holding the package's names (``meshpipe.split.run_stages``)."""
+    code = textwrap.dedent(SPLIT_ORDERS[order]) + textwrap.dedent(SPLIT_USE)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "SPLIT OK" in proc.stdout

@@ -92,15 +92,15 @@ def _llama_tp(mesh: Any) -> dict[str, Any]:
         model = sm.llama(num_layers=4)
         model.config.use_cache = True  # the default config: the split turns the cache off
         ref = copy.deepcopy(model)
-        calls = [0]
-        model.model.layers[3].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        calls: list[int] = []
+        model.model.layers[3].register_forward_hook(lambda *_, c=calls: c.append(1))
         pipe = meshpipe.Pipeline(
             model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan=plan,
             split_points=["model.layers.2"],
         )  # fmt: skip
         gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
         sharded = [n for n, p in pipe.named_parameters() if isinstance(p, DTensor)]
-        res[case] = {**gaps, "sharded": len(sharded), "hook_calls": calls[0]}
+        res[case] = {**gaps, "sharded": len(sharded), "hook_calls": len(calls)}
     return res
 
 
@@ -126,6 +126,72 @@ def test_llama_pp2_tp2_matches_one_process(case: str) -> None:
         # a user's forward hook on a block runs: once while tracing (every rank), then per
         # microbatch on the ranks holding the block (4 microbatches x 3 steps)
         assert r["hook_calls"] == (13 if rank >= 2 else 1), (rank, r)
+
+
+def _qwen2(num_layers: int = 4) -> nn.Module:
+    import split_models as sm
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sm.quiet_transformers()
+    cfg = Qwen2Config(
+        num_hidden_layers=num_layers, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=sm.VOCAB,
+        max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(cfg)
+
+
+def _qwen2_fsdp() -> dict[str, Any]:
+    import split_models as sm
+    from torch.distributed.fsdp import FSDPModule
+
+    from parity import dp_batch
+
+    torch.set_num_threads(1)
+    mesh = meshpipe.init_mesh(pp=2, dp=2)
+    torch.manual_seed(0)
+    model = _qwen2()
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, dp="fsdp",
+        activation_checkpointing="full", split_points=["model.layers.2"],
+    )  # fmt: skip
+    batches = []
+    for args, kwargs, target in _lm_batches(seed=9):
+        # each dp replica passes its half of the rows; the reference sees all of them
+        batches.append((args, kwargs, target))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = None
+    gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0}
+    for (ids,), kwargs, target in batches:
+        mine = {k: dp_batch(v, mesh) for k, v in kwargs.items()}
+        loss = pipe.step(dp_batch(ids, mesh), target=dp_batch(target, mesh), **mine)
+        if opt is None:
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        norm = pipe.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = sm.lm_loss(ref(ids, **kwargs), target)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        gaps["loss"] = max(gaps["loss"], abs(float(loss) - ref_loss.item()))
+        gaps["norm"] = max(gaps["norm"], abs(float(norm) - ref_norm.item()))
+    for name, p in pipe.named_parameters():
+        diff = (_full(p.detach()) - ref.get_parameter(name).detach()).abs().max().item()
+        gaps["param"] = max(gaps["param"], diff)
+    blocks = [m for s in pipe.stages for n, m in s.named_modules() if n.count(".") == 2]
+    gaps["fsdp_blocks"] = sum(isinstance(m, FSDPModule) for m in blocks)
+    return gaps
+
+
+def test_qwen2_pp2_dp2_fsdp_per_block_with_checkpointing_matches_one_process() -> None:
+    results = run_on_ranks(_qwen2_fsdp, 4, timeout=240.0)
+    for rank, r in enumerate(results):
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
+        # fully_shard on each of the stage's 2 decoder layers, then on the stage
+        assert r["fsdp_blocks"] == 2, (rank, r)
 
 
 def _gpt2_stage_meshes() -> dict[str, Any]:

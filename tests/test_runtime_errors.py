@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import D, OnCall, blocks, mse
+from parity import D, OnCall, blocks, grad_diff, mse
 
 
 def _refused(fn: Any) -> tuple[str, str]:
@@ -87,6 +87,65 @@ def test_bad_input_refused_identically_before_communication() -> None:
     assert "list" in res["non_tensor_target"][1]
     assert "num_microbatches" in res["name_without_m"][1]
     assert res["then_ok"][0] == "loss"
+
+
+def _square_mean(out: torch.Tensor) -> torch.Tensor:
+    """A loss of the output alone (no target)."""
+    return out.pow(2).mean()
+
+
+def _target_checks() -> dict[str, tuple[str, str]]:
+    """step() with or without target= against what the loss_fn takes."""
+    mesh = meshpipe.init_mesh(pp=2)
+    rank = torch.distributed.get_rank()
+    x, y = torch.randn(8, D), torch.randn(8, D)
+
+    def pipeline(loss_fn: Any, timeout: float = 60) -> meshpipe.Pipeline:
+        return meshpipe.Pipeline(blocks(4), mesh, "1f1b", 2, loss_fn=loss_fn, timeout=timeout)
+
+    pipe, module_loss, output_only = pipeline(mse), pipeline(nn.MSELoss()), pipeline(_square_mean)
+    out = {
+        "no_target": _refused(lambda: pipe.step(x)),
+        "no_target_module_loss": _refused(lambda: module_loss.step(x)),
+        "target_for_output_only": _refused(lambda: output_only.step(x, target=y)),
+    }
+    # the refusals moved nothing: these steps run, the output-only loss without a target
+    out["then_ok"] = ("loss", f"{pipe.step(x, target=y).item():.6f}")
+    ref = blocks(4)
+    loss = output_only.step(x)
+    expected = _square_mean(ref(x))
+    expected.backward()
+    loss_ok = abs(loss.item() - expected.item()) < 1e-5
+    out["output_only"] = ("matches", f"loss {loss_ok}, grads {grad_diff(output_only, ref) < 1e-5}")
+    # before any communication: each rank alone, while its peer waits in a barrier (a check
+    # that needed the peer would time out after 5 s instead of refusing)
+    alone = pipeline(mse, timeout=5)
+    for turn in range(2):
+        if rank == turn:
+            t0 = time.monotonic()
+            kind, msg = _refused(lambda: alone.step(x))
+            out["alone"] = (kind, f"{msg} (in under a second: {time.monotonic() - t0 < 1})")
+        torch.distributed.barrier()
+    out["alone_then_ok"] = ("loss", f"{alone.step(x, target=y).item():.6f}")
+    return out
+
+
+def test_step_without_the_target_its_loss_needs_is_refused_everywhere() -> None:
+    """Before: the loss_fn failed inside the step on the last stage's rank only (mse_loss of
+    None: AttributeError), the other rank stopped by it (RemoteStageError), and the pipeline
+    was broken for good; a loss_fn of the output alone failed the same way (TypeError)."""
+    results = run_on_ranks(_target_checks, 2, timeout=60)
+    assert results[0] == results[1], "ranks must raise the same errors"
+    res = results[0]
+    for case in ("no_target", "no_target_module_loss", "target_for_output_only", "alone"):
+        assert res[case][0] == "PipelineError", (case, res[case])
+    no_target, output_only = res["no_target"][1], res["target_for_output_only"][1]
+    assert "step() got no target= but loss_fn mse(out, y) takes (output, target)" in no_target
+    assert "MSELoss(input, target)" in res["no_target_module_loss"][1]
+    assert "got target= but loss_fn _square_mean(out) takes the output only" in output_only
+    assert "no target=" in res["alone"][1] and "in under a second: True" in res["alone"][1]
+    assert res["then_ok"][0] == "loss" and res["alone_then_ok"][0] == "loss"
+    assert res["output_only"] == ("matches", "loss True, grads True")
 
 
 def _boom() -> None:

@@ -38,12 +38,13 @@ _LAZY: dict[str, str] = {
     "init_mesh": "meshpipe.runtime.topology",
     "init_stage_meshes": "meshpipe.runtime.stage_meshes",
     "Pipeline": "meshpipe.runtime.pipeline",
-    "split": "meshpipe.split",
     "REPLICATE": "meshpipe.runtime.microbatch",
 }
 # submodules named in __all__; runtime, cli and testing also load on attribute access
-# (meshpipe.testing.run_on_ranks is public) but are not names to star-import
-_PUBLIC_MODULES = {"schedule", "sim", "errors", "checkpoint"}
+# (meshpipe.testing.run_on_ranks is public) but are not names to star-import. ``split`` is
+# the package, callable as its function (``meshpipe.split(model, ...)``), so that
+# ``meshpipe.split`` is the same object whether or not ``import meshpipe.split`` came first
+_PUBLIC_MODULES = {"schedule", "sim", "errors", "checkpoint", "split"}
 _SUBMODULES = _PUBLIC_MODULES | {"runtime", "cli", "testing"}
 
 __all__ = sorted([*_LAZY, *_PUBLIC_MODULES, "__version__"])

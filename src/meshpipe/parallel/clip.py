@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,11 +36,14 @@ def clip_grad_norm_(
     axis_sizes: Mapping[str, int],
     pp_axis: str = "pp",
     group: dist.ProcessGroup | None = None,
+    counted_elsewhere: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip gradients so their global L2 norm is at most ``max_norm``; returns that norm.
 
     Each rank adds the squares of the gradient shards it holds, divided by how many ranks
     hold the same shard; one all-reduce over ``group`` (default: the world) sums them.
+    ``counted_elsewhere``: parameters of ``params`` whose gradient another pp rank holds too
+    and counts (tied copies): clipped here, not counted.
     """
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
@@ -49,9 +52,10 @@ def clip_grad_norm_(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else None
     total = torch.zeros((), dtype=torch.float64, device=device)
+    skip = {id(t) for t in counted_elsewhere}
     for p in with_grad:
         grad = p.grad
-        if grad is None:
+        if grad is None or id(p) in skip:
             continue
         local = _local(grad).detach().to(torch.float64)
         total += local.pow(2).sum().to(total.device) / replication_factor(p, axis_sizes, pp_axis)

@@ -15,15 +15,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
-from meshpipe.parallel.clip import clip_grad_norm_
 from meshpipe.runtime.accumulate import Accumulator
 from meshpipe.runtime.agree import CallCheck, check_mode
 from meshpipe.runtime.channels import Channels
+from meshpipe.runtime.clipping import clip_grads
 from meshpipe.runtime.closing import closing_status, failed_elsewhere, join_failed, reads_closing
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
 from meshpipe.runtime.descs import DescCache
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
+from meshpipe.runtime.loss_target import check_target, target_use
 from meshpipe.runtime.microbatch import ChunkSpec, input_signature, split_microbatches
 from meshpipe.runtime.modules import initial_mode, stage_modules
 from meshpipe.runtime.p2p import Comm
@@ -75,7 +76,7 @@ class Pipeline:
         mesh: DeviceMesh | Sequence[DeviceMesh],
         schedule: str | Schedule = "1f1b",
         num_microbatches: int | None = None,
-        loss_fn: Callable[[Any, Any], Any] | None = None,
+        loss_fn: Callable[..., Any] | None = None,
         *,
         dp: str | None = None,
         tp_plan: Mapping[str, Any] | None = None,
@@ -125,7 +126,7 @@ class Pipeline:
         self._schedules = Schedules(schedule, topo.pp_size, num_microbatches, stages_per_rank)
         self.schedule = self._schedules.main
         self._spmd = Spmd(topo, dp, tp_plan, mp_policy, fsdp_reshard_gap)
-        self.loss_fn = loss_fn
+        self.loss_fn, self._loss_use = loss_fn, target_use(loss_fn)  # see step()'s check
         self.chunk_spec = chunk_spec
         self.timeout = float(timeout)
         self.mesh = mesh
@@ -234,10 +235,9 @@ class Pipeline:
         return iter([p for _, p in self.named_parameters()])
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip to a global gradient norm over all stages and shards (pp, dp, tp); returns
-        the norm before clipping, the same on every rank. Collective: call on every rank."""
-        topo = self.topology
-        return clip_grad_norm_(self.parameters(), max_norm, topo.axis_sizes, self._pp_axis)
+        """Clip to the global gradient norm over all stages and shards (pp, dp, tp; each tied
+        weight once); returns the norm before clipping, the same everywhere. Call on every rank."""
+        return clip_grads(self.parameters(), max_norm, self.topology, self._pp_axis, self._whole)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._accumulate.clear()  # accumulated no_sync gradients are discarded too
@@ -449,6 +449,7 @@ class Pipeline:
         batch); ``return_outputs=True`` returns ``(loss, outputs)``, the merged outputs on
         the ranks holding the last stage and None elsewhere.
         """
+        check_target("step", self.loss_fn, self._loss_use, target)  # before communicating
         sched = self._schedules.training(num_microbatches)
         call = (
             f"step (grad_scale {grad_scale}, {'synced' if self._accumulate.synced else 'no_sync'})"

@@ -14,12 +14,13 @@ from torch.utils.checkpoint import checkpoint
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.backward import WeightGrad, backward_full, backward_input
+from meshpipe.runtime.loss_target import loss_args, target_use
 from meshpipe.runtime.pytree import flatten, unflatten
 from meshpipe.runtime.recompute import Replay, keeping_nothing
 
 __all__ = ["StageRunner", "LossRecord", "as_stage_input"]
 
-LossFn = Callable[[Any, Any], Any]
+LossFn = Callable[..., Any]  # (output, target), or (output) without a target
 
 
 @dataclass
@@ -83,6 +84,7 @@ class StageRunner:
         self.is_first = is_first
         self.is_last = is_last
         self.loss_fn = loss_fn
+        self._loss_use = target_use(loss_fn)  # loss_fn(output) when it takes no target
         self.takes_model_inputs = bool(getattr(module, "meshpipe_model_inputs", False))
         self._saved: dict[int, _Saved] = {}
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
@@ -193,7 +195,7 @@ class StageRunner:
         if self.loss_fn is None:
             raise PipelineError("step() needs a loss_fn; pass loss_fn= to Pipeline")
         with self._mixed():  # autocast computes losses such as mse and cross entropy in fp32
-            result = self.loss_fn(out, target)
+            result = self.loss_fn(*loss_args(self._loss_use, out, target))
         if isinstance(result, (tuple, list)):
             if len(result) != 2:
                 raise PipelineError(

@@ -1,0 +1,105 @@
+"""pipe.clip_grad_norm_ counts a tied weight once, as one process does: an embedding whose
+weight is also the head's, split so that the two uses land on different pp ranks (each rank
+holds a copy, and after the step both copies hold the summed gradient).
+
+One spawn of 4 processes: pp2 x dp2 with DDP and with FSDP2 (uniform meshes), and the stage
+meshes [{"dp": 3}, {"tp": 1}] and [{"tp": 1}, {"dp": 3}] (the copy counted on a mesh of three
+processes, or of one); each case checks the norm against torch.nn.utils.clip_grad_norm_ on the
+unsplit model, and every gradient after clipping.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+
+from parity import dp_batch
+
+ATOL = 1e-5
+MAX_NORM = 0.05  # small enough that clipping is active
+VOCAB, WIDTH = 32, 16
+
+
+def tied_lm() -> nn.Sequential:
+    """Embedding, two layers, and a head whose weight is the embedding's (GPT-2's tie)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(VOCAB, WIDTH),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Linear(WIDTH, VOCAB, bias=False),
+    )
+    model[4].weight = model[0].weight
+    return model
+
+
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _grad_diff(pipe: meshpipe.Pipeline, ref: nn.Module) -> float:
+    """Largest |grad - reference grad|, every name of a tied weight included."""
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for name, p in pipe.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, (g - ref_params[name].grad).abs().max().item())
+    return worst
+
+
+def _case(mesh: Any, dp: str | None, stage_meshes: bool) -> dict[str, Any]:
+    model = tied_lm()
+    ref = copy.deepcopy(model)  # keeps the tie: one parameter, used twice
+    torch.manual_seed(1)
+    ids, target = torch.randint(0, VOCAB, (8, 6)), torch.randint(0, VOCAB, (8, 6))
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", num_microbatches=2, loss_fn=lm_loss, dp=dp, split_points=["2"],
+        timeout=60,
+    )  # fmt: skip
+    if stage_meshes:  # every process passes the whole batch
+        loss = pipe.step(ids, target=target)
+    else:
+        loss = pipe.step(dp_batch(ids, mesh), target=dp_batch(target, mesh))
+    norm = pipe.clip_grad_norm_(MAX_NORM)
+    expected = lm_loss(ref(ids), target)
+    expected.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    names = [n for n, _ in pipe.named_parameters()]
+    return {
+        "loss": abs(loss.item() - expected.item()),
+        "norm": abs(norm.item() - ref_norm.item()),
+        "ref_norm": ref_norm.item(),
+        "grad": _grad_diff(pipe, ref),
+        "holds_tied": "0.weight" in names or "4.weight" in names,
+    }
+
+
+def _all_cases() -> dict[str, dict[str, Any]]:
+    out = {}
+    mesh = meshpipe.init_mesh(pp=2, dp=2)
+    out["pp2_dp2_ddp"] = _case(mesh, "ddp", stage_meshes=False)
+    out["pp2_dp2_fsdp"] = _case(mesh, "fsdp", stage_meshes=False)
+    meshes = meshpipe.init_stage_meshes([{"dp": 3}, {"tp": 1}])
+    out["stage_meshes_dp3_1"] = _case(meshes, None, stage_meshes=True)
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 3}])
+    out["stage_meshes_1_dp3"] = _case(meshes, None, stage_meshes=True)
+    return out
+
+
+def test_clip_grad_norm_counts_a_tied_weight_once() -> None:
+    results = run_on_ranks(_all_cases, 4, timeout=240)
+    for case in ("pp2_dp2_ddp", "pp2_dp2_fsdp", "stage_meshes_dp3_1", "stage_meshes_1_dp3"):
+        per_rank = [r[case] for r in results]
+        assert all(r["holds_tied"] for r in per_rank), (case, per_rank)  # a copy everywhere
+        assert per_rank[0]["ref_norm"] > 2 * MAX_NORM, (case, per_rank)  # clipping is active
+        for rank, r in enumerate(per_rank):
+            assert r["loss"] < ATOL, (case, rank, r)
+            assert r["norm"] < ATOL, f"{case} rank {rank}: norm off by {r['norm']} ({r})"
+            assert r["grad"] < ATOL, f"{case} rank {rank}: clipped grads off by {r['grad']}"
