@@ -129,8 +129,9 @@ def test_llama_pp2_tp2_matches_one_process(case: str) -> None:
 
 
 def _qwen2(num_layers: int = 4) -> nn.Module:
-    import split_models as sm
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import split_models as sm
 
     sm.quiet_transformers()
     cfg = Qwen2Config(
@@ -142,8 +143,9 @@ def _qwen2(num_layers: int = 4) -> nn.Module:
 
 
 def _qwen2_fsdp() -> dict[str, Any]:
-    import split_models as sm
     from torch.distributed.fsdp import FSDPModule
+
+    import split_models as sm
 
     from parity import dp_batch
 

@@ -40,7 +40,7 @@ def _sharded_width(module: nn.Module, style: ParallelStyle) -> tuple[str, int] |
     colwise = isinstance(style, ColwiseParallel)
     rowwise = isinstance(style, RowwiseParallel)
     if is_conv1d(module):
-        w = module.weight.shape
+        w = module.get_parameter("weight").shape
         return ("nf", int(w[1])) if colwise else ("nx", int(w[0])) if rowwise else None
     if isinstance(module, nn.Linear):
         if colwise:
