@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
+from meshpipe.parallel.hf_plan import auto_tp_plan
 from meshpipe.runtime.accumulate import Accumulator
 from meshpipe.runtime.agree import CallCheck, check_mode
 from meshpipe.runtime.channels import Channels
@@ -40,6 +41,7 @@ from meshpipe.runtime.trace import save_trace
 from meshpipe.runtime.waits import Watchdog, translate
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.program import P2P, program_positions
+from meshpipe.split.guards import check_traced_shapes
 from meshpipe.split.whole import WholeModel
 
 __all__ = ["Pipeline"]
@@ -79,7 +81,7 @@ class Pipeline:
         loss_fn: Callable[..., Any] | None = None,
         *,
         dp: str | None = None,
-        tp_plan: Mapping[str, Any] | None = None,
+        tp_plan: Mapping[str, Any] | str | None = None,
         mp_policy: Any | None = None,
         fsdp_reshard_gap: int | None = 2,
         pp_axis: str = "pp",
@@ -125,7 +127,8 @@ class Pipeline:
             stages_per_rank = len(model) // topo.pp_size
         self._schedules = Schedules(schedule, topo.pp_size, num_microbatches, stages_per_rank)
         self.schedule = self._schedules.main
-        self._spmd = Spmd(topo, dp, tp_plan, mp_policy, fsdp_reshard_gap)
+        plan = auto_tp_plan(model) if tp_plan == "auto" else tp_plan
+        self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap)  # type: ignore[arg-type]
         self.loss_fn, self._loss_use = loss_fn, target_use(loss_fn)  # see step()'s check
         self.chunk_spec = chunk_spec
         self.timeout = float(timeout)
@@ -356,6 +359,7 @@ class Pipeline:
                 args, kwargs, target, schedule.num_microbatches, self.chunk_spec
             )
             mbs = local_part(self.topology.layout, whole, self.chunk_spec)
+            check_traced_shapes(self.stages, mbs.args, mbs.kwargs)  # before any transfer
             self._whole_rows = whole.sizes
         except Exception:
             gate()  # a difference between the ranks is the better message, and is collective
