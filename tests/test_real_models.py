@@ -35,14 +35,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(
-    pipe: meshpipe.Pipeline, ref: nn.Module, loss_fn: Any, batches: list[Any]
+    pipe: meshpipe.Pipeline, ref: nn.Module, loss_fn: Any, batches: list[Any], part: Any = None
 ) -> dict[str, Any]:
-    """3 AdamW steps with clipping on both; the largest loss, norm and parameter gaps."""
+    """3 AdamW steps with clipping on both; the largest loss, norm and parameter gaps.
+    ``part(tensor)``: this process's rows of a batch (dp replicas), default all of them."""
+    part = part or (lambda t: t)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = None
     gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0}
     for args, kwargs, target in batches:
-        loss = pipe.step(*args, target=target, **kwargs)
+        mine = {k: part(v) for k, v in kwargs.items()}
+        loss = pipe.step(*[part(a) for a in args], target=part(target), **mine)
         if opt is None:  # a traced split exists from the first step on
             opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         norm = pipe.clip_grad_norm_(1.0)
@@ -158,31 +161,8 @@ def _qwen2_fsdp() -> dict[str, Any]:
         model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, dp="fsdp",
         activation_checkpointing="full", split_points=["model.layers.2"],
     )  # fmt: skip
-    batches = []
-    for args, kwargs, target in _lm_batches(seed=9):
-        # each dp replica passes its half of the rows; the reference sees all of them
-        batches.append((args, kwargs, target))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = None
-    gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0}
-    for (ids,), kwargs, target in batches:
-        mine = {k: dp_batch(v, mesh) for k, v in kwargs.items()}
-        loss = pipe.step(dp_batch(ids, mesh), target=dp_batch(target, mesh), **mine)
-        if opt is None:
-            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        norm = pipe.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = sm.lm_loss(ref(ids, **kwargs), target)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        gaps["loss"] = max(gaps["loss"], abs(float(loss) - ref_loss.item()))
-        gaps["norm"] = max(gaps["norm"], abs(float(norm) - ref_norm.item()))
-    for name, p in pipe.named_parameters():
-        diff = (_full(p.detach()) - ref.get_parameter(name).detach()).abs().max().item()
-        gaps["param"] = max(gaps["param"], diff)
+    # each dp replica passes its half of the rows; the reference sees all of them
+    gaps = _train(pipe, ref, sm.lm_loss, _lm_batches(seed=9), lambda t: dp_batch(t, mesh))
     blocks = [m for s in pipe.stages for n, m in s.named_modules() if n.count(".") == 2]
     gaps["fsdp_blocks"] = sum(isinstance(m, FSDPModule) for m in blocks)
     return gaps
