@@ -254,7 +254,8 @@ def host_reads(mesh: Any, name: str, **options: Any) -> list[str]:
     import traceback
 
     net = blocks(8)
-    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse, **options)
+    options = {"loss_fn": mse, **options}
+    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, **options)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     for _ in range(2):
         pipe.step(x, target=y)

@@ -1,8 +1,12 @@
 """Calls that do not agree across pp ranks stop every rank with a message naming the
-difference, before any transfer (issue: no silent wrong results). One spawn of 2 ranks."""
+difference, before any transfer (issue: no silent wrong results); by default the input
+values too (issue 20): pp ranks given other rows of the same shapes stop. One spawn of 2
+ranks and one of 4 (pp=2 x dp=2: replicas given different rows, as they should be)."""
 
 from __future__ import annotations
 
+import copy
+import os
 import time
 from typing import Any
 
@@ -12,7 +16,7 @@ import torch
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import blocks, mse
+from parity import blocks, dp_batch, grad_diff, mse
 
 
 def _outcome(fn: Any) -> dict[str, Any]:
@@ -65,7 +69,16 @@ def _cases(_: None = None) -> dict[str, Any]:
     )
     xv = x + rank  # same shapes, other values on rank 1
     out["values"] = _outcome(lambda: values.step(xv, target=y))
-    out["values_default_off"] = _outcome(lambda: pipe.step(xv, target=y))
+    out["values_default"] = _outcome(lambda: pipe.step(xv, target=y))
+    swapped = x[torch.tensor([1, 0, *range(2, 8)])] if rank == 1 else x  # rows in another order
+    out["rows_swapped"] = _outcome(lambda: pipe.step(swapped, target=y))
+    out["target_values"] = _outcome(lambda: pipe.step(x, target=y + rank))
+    out["values_eval"] = _outcome(lambda: pipe.eval_step(xv, target=y))
+    shapes = meshpipe.Pipeline(
+        blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse, check_inputs="shapes"
+    )
+    out["shapes_opt_out"] = _outcome(lambda: shapes.step(xv, target=y))
+    out.update(_late(mesh, x, xv, y))
     first = meshpipe.Pipeline(
         blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse, check_inputs="first_values"
     )
@@ -75,7 +88,30 @@ def _cases(_: None = None) -> dict[str, Any]:
     out["first_values_eval"] = _outcome(lambda: first.eval_step(xv, target=y))  # a new kind
     pipe.zero_grad()
     out["still_works"] = _outcome(lambda: pipe.step(x, target=y))
+    pipe.zero_grad()  # parity as before, with the default check (no optimizer step ran)
+    ref = blocks(4)
+    loss = pipe.step(x, target=y)
+    mse(ref(x), y).backward()
+    out["parity"] = {"loss": abs(loss.item() - mse(ref(x), y).item()), "grad": grad_diff(pipe, ref)}
     return out
+
+
+def _late(mesh: Any, x: torch.Tensor, xv: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """The GPU's way on CPU (MESHPIPE_VALUES_ON_DEVICE=1): values gathered on the pipeline's
+    data group, read at the gate by the first call of each kind, else by the next call."""
+    os.environ["MESHPIPE_VALUES_ON_DEVICE"] = "1"
+    try:
+        late = meshpipe.Pipeline(blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse)
+    finally:
+        del os.environ["MESHPIPE_VALUES_ON_DEVICE"]
+    return {
+        "late_first": _outcome(lambda: late.step(xv, target=y)),  # read at once: refused
+        "late_same": _outcome(lambda: late.step(x, target=y)),
+        "late_differs": _outcome(lambda: late.step(xv, target=y)),  # runs; read by the next
+        "late_next": _outcome(lambda: late.step(x, target=y)),  # refused, naming the last
+        "late_after": _outcome(lambda: late.step(x, target=y)),
+        "late_eval": _outcome(lambda: late.eval_step(xv, target=y)),  # a new kind: at once
+    }
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +152,41 @@ def test_step_under_no_grad_is_refused(results: list[Any]) -> None:
     _both(results, "no_grad_one_rank", "PipelineError", "gradients off", "gradients on")
 
 
-def test_values_checked_only_when_asked(results: list[Any]) -> None:
-    _both(results, "values", "PipelineError", "values")
+NAMES = ("pp rank 1 (global rank 1)", "pp rank 0 (global rank 0)", "not given the same values")
+
+
+def test_values_compared_by_default(results: list[Any]) -> None:
+    """pp ranks given other rows of the same shapes (a sampler over every process instead of
+    over the dp replicas) stop on both ranks, naming them and the input (issue 20)."""
+    _both(results, "values_default", "PipelineError", *NAMES, "argument 0")
+    _both(results, "values", "PipelineError", *NAMES, "argument 0")
+    _both(results, "rows_swapped", "PipelineError", *NAMES, "argument 0")
+    _both(results, "target_values", "PipelineError", *NAMES, "target")
+    _both(results, "values_eval", "PipelineError", *NAMES, "in eval_step")
+    assert results[0]["values_default"]["msg"] == results[1]["values_default"]["msg"]
+    assert "target" not in results[0]["values_default"]["msg"].split(" than ")[0]
     for res in results:
-        assert res["values_default_off"]["kind"] == "none"
+        assert res["shapes_opt_out"]["kind"] == "none", res["shapes_opt_out"]
+
+
+def test_device_values_are_read_by_the_next_call(results: list[Any]) -> None:
+    """The GPU path, run on CPU: the first call of each kind reads its values at the gate;
+    later calls are read by the next one, which then stops on both ranks."""
+    _both(results, "late_first", "PipelineError", *NAMES)
+    _both(results, "late_next", "PipelineError", *NAMES, "found at the start of the next call")
+    _both(results, "late_eval", "PipelineError", *NAMES, "in eval_step")
+    for res in results:
+        for case in ("late_same", "late_differs", "late_after"):
+            assert res[case]["kind"] == "none", (case, res[case])
+
+
+def test_parity_with_the_default_check(results: list[Any]) -> None:
+    for res in results:
+        assert res["parity"]["loss"] <= 1e-5 and res["parity"]["grad"] <= 1e-5, res["parity"]
 
 
 def test_first_values_compares_the_first_passing_call_of_each_kind(results: list[Any]) -> None:
-    # the default with stage meshes on CUDA: values read on the host once, not every step
+    # values compared on the first call of each kind only
     _both(results, "first_values", "PipelineError", "values")
     _both(results, "first_values_eval", "PipelineError", "values")
     for res in results:
@@ -134,3 +197,49 @@ def test_first_values_compares_the_first_passing_call_of_each_kind(results: list
 def test_pipeline_still_works_after_refusals(results: list[Any]) -> None:
     for res in results:
         assert res["still_works"]["kind"] == "none", res["still_works"]
+
+
+def _replica_steps(aid: str, mesh: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    os.environ["MESHPIPE_VALUES_ON_DEVICE"] = aid
+    try:
+        net = blocks(4)
+        ref = copy.deepcopy(net)
+        pipe = meshpipe.Pipeline(net, mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=60)
+    finally:
+        del os.environ["MESHPIPE_VALUES_ON_DEVICE"]
+    losses: list[float] = []
+
+    def steps() -> None:
+        for _ in range(3):
+            pipe.zero_grad()
+            losses.append(pipe.step(dp_batch(x, mesh), target=dp_batch(y, mesh)).item())
+
+    got = _outcome(steps)
+    expected = mse(ref(x), y)
+    expected.backward()
+    got["loss"] = max((abs(v - expected.item()) for v in losses), default=float("inf"))
+    got["grad"] = grad_diff(pipe, ref)
+    return got
+
+
+def _replicas(_: None = None) -> dict[str, Any]:
+    """pp=2 x dp=2: each dp replica passes its own rows (legit, not compared); 3 steps with
+    the default check, on the CPU path and on the GPU path (the third reads the second's
+    values), against one process on the whole batch."""
+    torch.set_num_threads(1)
+    mesh = meshpipe.init_mesh(pp=2, dp=2)
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    return {case: _replica_steps(aid, mesh, x, y) for case, aid in (("host", "0"), ("device", "1"))}
+
+
+@pytest.fixture(scope="module")
+def replicas() -> list[dict[str, Any]]:
+    return run_on_ranks(_replicas, 4, timeout=240)
+
+
+def test_dp_replicas_with_different_rows_are_not_compared(replicas: list[Any]) -> None:
+    for rank, res in enumerate(replicas):
+        for case, got in res.items():
+            assert got["kind"] == "none", (rank, case, got)
+            assert got["loss"] <= 1e-5 and got["grad"] <= 1e-5, (rank, case, got)

@@ -160,10 +160,33 @@ def stage_meshes(device: str) -> dict[str, dict[str, float]]:
     """Stage meshes [{"tp": 1}, {"dp": 2}] (3 processes): 1f1b and zbv, one step against one
     process on the whole batch, with the loss on the device; forward's whole batch; and
     ``steady_state.host_syncs``, 0 expected: the default call check compares input values
-    on the first step only on CUDA ("first_values")."""
+    on the device and reads the verdict at the next call, after the GPU got there."""
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}], device_type=device)
     out = {name: _one_step(meshes, name, _dev(meshes[0]), 13) for name in ("1f1b", "zbv")}
     out["steady_state"] = {"host_syncs": float(_syncs_in_third_step(meshes, "1f1b", 32))}
+    return out
+
+
+def device_values(device: str, plain: bool) -> dict[str, str]:
+    """pp=2, pp rank 1 given the rows in another order (same shapes), five steps: other,
+    same, other, same, same rows. The first step is refused at once (the first call of a
+    kind reads its values at the gate); later, on CUDA, a step's values are read by the
+    next call, so the third step runs and the fourth stops on both ranks naming them (on a
+    CPU dry run the third stops itself); the fifth works. "ok" or the error, per step."""
+    mesh = make_mesh(device, plain, pp=2)
+    dev = _dev(mesh)
+    rank = mesh.get_local_rank("pp")
+    pipe = meshpipe.Pipeline(blocks(4), mesh, "1f1b", num_microbatches=4, loss_fn=mse, timeout=WAIT)
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 16, device=dev), torch.randn(16, 16, device=dev)
+    other = x.flip(0) if rank == 1 else x
+    out: dict[str, str] = {}
+    for i, xi in enumerate((other, x, other, x, x)):
+        try:
+            pipe.step(xi, target=y)
+            out[str(i)] = "ok"
+        except meshpipe.PipelineError as e:
+            out[str(i)] = str(e)
     return out
 
 
@@ -255,6 +278,7 @@ def _dry_run() -> None:
     print("syncs dp", run_on_ranks(host_syncs_dp, 4, "cpu", timeout=300)[0])
     print("large", run_on_ranks(large, 2, "cpu", 256, 256, timeout=300)[0])
     print("stage meshes", run_on_ranks(stage_meshes, 3, "cpu", timeout=300))
+    print("device values", run_on_ranks(device_values, 2, "cpu", False, timeout=120))
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,6 @@
 """meshpipe on CUDA with NCCL: parity on every schedule both ways of building the mesh,
-pp=2 x dp=2 with FSDP2, no host synchronisation in a steady-state step, and steps with
+pp=2 x dp=2 with FSDP2, no host synchronisation in a steady-state step, input values
+compared on the device (read by the next call), and steps with
 64 MiB activations that complete, checkpoints that resume and export. Several ranks share
 one GPU (run_on_ranks(device="cuda")). Skipped without CUDA (see conftest.py)."""
 
@@ -13,6 +14,7 @@ from meshpipe.testing import run_on_ranks
 
 from gpu_cases import (
     checkpoint_resume,
+    device_values,
     fsdp_parity,
     host_syncs,
     host_syncs_dp,
@@ -78,3 +80,17 @@ def test_checkpoint_resume_and_export(plain: bool, tmp_path: Any) -> None:
     for rank, res in enumerate(results):
         assert res["resume"] <= ATOL and res["extra"] == 0.0, f"rank {rank}: {res}"
         assert res["export"] == 0.0, f"rank {rank}: {res}"
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["init_mesh", "plain_nccl"])
+def test_pp_ranks_given_other_rows_stop_at_the_next_call(plain: bool) -> None:
+    """Issue 20: values compared on the device; a step's verdict read by the next call."""
+    results = run_on_ranks(device_values, 2, "cuda", plain, timeout=200, device="cuda")
+    names = ("pp rank 1 (global rank 1)", "pp rank 0 (global rank 0)", "argument 0")
+    for rank, res in enumerate(results):
+        assert all(n in res["0"] for n in names), (rank, res)
+        assert "next call" not in res["0"], (rank, res)
+        assert res["1"] == res["2"] == res["4"] == "ok", (rank, res)
+        assert all(n in res["3"] for n in names), (rank, res)
+        assert "found at the start of the next call" in res["3"], (rank, res)
+    assert results[0] == results[1]

@@ -62,11 +62,10 @@ class Pipeline:
     per-stage SPMD on the mesh's other axes (docs/parallel.md). Every rank makes the same
     calls; each rank keeps only its own stages. Before any transfer, the pp ranks agree that
     they were given the same call (schedule, microbatch count, mode, input and target
-    structure, shapes and dtypes; ``check_inputs="values"`` also compares the input values,
-    the default with stage meshes on CPU, where every process must pass the whole batch;
-    ``"first_values"`` compares them on the first call of each kind only, the default with
-    stage meshes on CUDA; ``"off"`` skips it): a difference raises PipelineError on every
-    rank naming it.
+    structure, shapes and dtypes) and, by default (``check_inputs="values"``), the same
+    input values, compared by fingerprints without a host read (GPU leaves: read by the
+    next call; ``"first_values"``: first call of each kind only; ``"shapes"``; ``"off"``):
+    a difference raises PipelineError on every rank naming it (runtime/agree.py).
     ``autocast=torch.bfloat16`` runs every stage's forward and the loss under
     ``torch.autocast`` (fp32 parameters and gradients, bf16 compute and activations on the
     wire), with or without FSDP2.
@@ -149,7 +148,7 @@ class Pipeline:
         self._channels: Channels = pp_channels(topo)
         self._calls = CallCheck(
             self.check_inputs, self._channels.ctrl, len(topo.layout.ranks), topo.layout.me,
-            self.timeout,
+            self.timeout, topo.layout, self._channels.data, topo.device,
         )  # fmt: skip
         self._descs = DescCache()
         self._readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
