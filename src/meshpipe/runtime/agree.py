@@ -263,8 +263,10 @@ class CallCheck:
 
     def _read(self, gathered: Gathered, late: bool) -> None:
         """Raise PipelineError (on every process alike) if the device values differ."""
-        assert self._gather is not None
-        rows = self._gather.read(gathered)
+        gather = self._gather
+        if gather is None:  # only calls that launched a device gather get here
+            raise RuntimeError("internal: device values read without a device gather")
+        rows = gather.read(gathered)
         why = verdict(rows, gathered.paths, self._name, gathered.call)
         if why is not None:
             if late:
