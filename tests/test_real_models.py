@@ -147,6 +147,7 @@ def _qwen2(num_layers: int = 4) -> nn.Module:
 
 def _qwen2_fsdp() -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
     import split_models as sm
 
@@ -157,23 +158,36 @@ def _qwen2_fsdp() -> dict[str, Any]:
     torch.manual_seed(0)
     model = _qwen2()
     ref = copy.deepcopy(model)
+    batches = _lm_batches(seed=9)
+    part = lambda t: dp_batch(t, mesh)  # noqa: E731 - this replica's half of the rows
+    (ids,), kwargs, _ = batches[0]
     pipe = meshpipe.Pipeline(
         model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, dp="fsdp",
-        activation_checkpointing="full", split_points=["model.layers.2"],
+        activation_checkpointing=lambda name, m: isinstance(m, Qwen2DecoderLayer),
+        split_points=["model.layers.2"], example_args=(part(ids),),
+        example_kwargs={k: part(v) for k, v in kwargs.items()},
     )  # fmt: skip
+    # an MLP inside a checkpointed block runs in F and again in the block's backward
+    mlps = [m for s in pipe.stages for n, m in s.named_modules() if n.endswith(".mlp")]
+    calls = [0]
+    for m in mlps:
+        m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     # each dp replica passes its half of the rows; the reference sees all of them
-    gaps = _train(pipe, ref, sm.lm_loss, _lm_batches(seed=9), lambda t: dp_batch(t, mesh))
+    gaps = _train(pipe, ref, sm.lm_loss, batches, part)
+    gaps["mlp_calls_per_block_and_mb"] = calls[0] / (len(mlps) * 4 * len(batches))
     blocks = [m for s in pipe.stages for n, m in s.named_modules() if n.count(".") == 2]
     gaps["fsdp_blocks"] = sum(isinstance(m, FSDPModule) for m in blocks)
     return gaps
 
 
-def test_qwen2_pp2_dp2_fsdp_per_block_with_checkpointing_matches_one_process() -> None:
+def test_qwen2_pp2_dp2_fsdp_and_checkpointing_per_block_matches_one_process() -> None:
     results = run_on_ranks(_qwen2_fsdp, 4, timeout=240.0)
     for rank, r in enumerate(results):
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
         # fully_shard on each of the stage's 2 decoder layers, then on the stage
         assert r["fsdp_blocks"] == 2, (rank, r)
+        # each decoder layer checkpointed: its MLP runs in F and again in B
+        assert r["mlp_calls_per_block_and_mb"] == 2.0, (rank, r)
 
 
 def _gpt2_stage_meshes() -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""Activation checkpointing per stage, applied after the split, keeping parameter names.
+"""Activation checkpointing per stage or per block, applied after the split, keeping names.
 
 ``"full"`` recomputes each stage's forward in its backward (only the stage inputs are kept
 between F and B/I). A callable ``(qualified_name, module) -> bool`` picks submodules of
-the stage whose forward is recomputed instead; their parameter names do not change (the
-module's forward is wrapped, the module is not replaced).
+the stage whose forward is recomputed instead (e.g. every transformer block, also on
+traced stages, which call their blocks as modules); their parameter names do not change
+(the module's forward is wrapped, the module is not replaced).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
 
 def apply_policy(stage: nn.Module, policy: Policy, stage_index: int) -> bool:
     """Wrap the chosen submodules' forward; True when the whole stage is to be recomputed
-    (``"full"``). A callable on a traced stage is refused: it runs its graph, not its
-    submodules."""
+    (``"full"``). On a traced stage only the submodules its graph calls as modules (its
+    units, see split/units.py) and their descendants run as modules: choosing any other
+    is refused, naming it, since wrapping it would change nothing."""
     if policy is None:
         return False
     if policy == "full":
@@ -47,23 +49,38 @@ def apply_policy(stage: nn.Module, policy: Policy, stage_index: int) -> bool:
     if not callable(policy):
         check_policy(policy)
         return False
-    if getattr(stage, "meshpipe_model_inputs", False):
-        raise PipelineError(
-            f"stage {stage_index} was split by tracing and runs its graph, not its "
-            "submodules: a callable activation_checkpointing cannot pick parts of it; use "
-            "'full' (the whole stage recomputed)"
-        )
-    chosen = 0
+    traced = bool(getattr(stage, "meshpipe_model_inputs", False))
+    units: tuple[str, ...] = getattr(stage, "meshpipe_units", ())
+    chosen: list[tuple[str, nn.Module]] = []
     for name, module in stage.named_modules():
         if name and policy(name, module):
-            module.forward = partial(_checkpointed, module.forward)
-            chosen += 1
-    if chosen == 0:
+            chosen.append((name, module))
+    outside = [n for n, _ in chosen if traced and not _called(n, units)]
+    if outside:
+        raise PipelineError(
+            f"activation_checkpointing chose {outside[:5]} on stage {stage_index}, which was "
+            "split by tracing: those modules' code is part of the stage's traced graph and "
+            f"never runs as a module there. Modules it calls as modules: {list(units)[:8]} "
+            "and their submodules; choose among them, or use 'full'"
+        )
+    if not chosen:
         raise PipelineError(
             f"activation_checkpointing chose no submodule of stage {stage_index} (names such "
             f"as {[n for n, _ in stage.named_modules() if n][:5]})"
         )
+    for name, module in chosen:
+        if any(_under(name, other) for other, _ in chosen if other != name):
+            continue  # an enclosing module is recomputed already
+        module.forward = partial(_checkpointed, module.forward)
     return False
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _called(name: str, units: tuple[str, ...]) -> bool:
+    return any(_under(name, unit) for unit in units)
 
 
 def backward_plan(policy: Policy, full: bool, compiled: bool, dp: str | None) -> tuple[bool, bool]:

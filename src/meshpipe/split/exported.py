@@ -122,6 +122,7 @@ def split_exported(
         stage.input_guards = glue
         calls = {str(n.target) for n in sg.graph.nodes if n.op == "call_module"}
         attach_tensors(stage, model, wanted[s], calls, others=set(folded) - calls)
+        stage.meshpipe_units = tuple(sorted(calls))
         stage.meshpipe_blocks = tuple(sorted(c for c in calls if _is_block(model, c)))
         stage.train(model.training)  # the mode the graph was traced in, until told otherwise
         stages.append(stage)

@@ -98,6 +98,7 @@ class GraphStage(nn.Module):
         self._export_device = export_device
         self._code: dict[tuple[torch.device, bool], Callable[..., Any]] = {}
         self.input_guards: InputGuards | None = None  # the glue's shape guards (split/guards.py)
+        self.meshpipe_units: tuple[str, ...] = ()  # submodules the graph calls as modules
         self.meshpipe_blocks: tuple[str, ...] = ()  # units that are trunk blocks (FSDP2 units)
         for name, t in spec.constants.items():
             self.register_buffer(name, t, persistent=False)
