@@ -1,5 +1,6 @@
-"""Data-parallel replicas of one stage: parameters broadcast once, gradients all-reduced once
-per step in one bucket, started as soon as the stage's last backward of the step is done.
+"""Data-parallel replicas of one stage: gradients all-reduced once per step in one bucket,
+started as soon as the stage's last backward of the step is done (the replicas were made
+equal at construction, for every dp mode: parallel/replicas.py).
 
 This is DDP's contract without torch's DistributedDataParallel wrapper: DDP's reducer is
 driven by AccumulateGrad hooks, which the zero-bubble W pass (autograd.grad into the
@@ -26,10 +27,6 @@ class GradSync:
         self._work: Any = None
         self._flat: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self.bytes_per_step = sum(p.numel() * p.element_size() for p in self.params)
-        src = dist.get_global_rank(group, 0)
-        with torch.no_grad():
-            for p in params:
-                dist.broadcast(p.data, src=src, group=group)
 
     def start(self) -> None:
         """Launch the all-reduce of this stage's gradients (non-blocking)."""

@@ -165,7 +165,7 @@ class Pipeline:
         self._spmd.check(modules, self.schedule.placement)
         sched, topo = self.schedule, self.topology
         for s in sched.stages_of(topo.pp_rank):
-            module = self._spmd.wrap(s, modules[s].to(topo.device))
+            module = self._spmd.wrap(s, modules[s].to(topo.device), self.timeout)
             module.train(self._training)
             full = apply_policy(module, self._recompute, s)
             compiled = compile_stage(module, self._compile)

@@ -17,6 +17,7 @@ from meshpipe.parallel import (
     fsdp_begin_step,
 )
 from meshpipe.parallel.fsdp_plan import plan_fsdp
+from meshpipe.parallel.replicas import broadcast_replicas
 from meshpipe.runtime.topology import Topology
 from meshpipe.runtime.waits import Watchdog, wait_bounded
 from meshpipe.schedule.ir import Action, Op, Schedule
@@ -82,11 +83,18 @@ class Spmd:
             ]
             check_tp_plan(all_stages, self._plan_to_check, tp, applies)  # type: ignore[arg-type]
 
-    def wrap(self, stage: int, module: nn.Module) -> nn.Module:
-        """Apply TP, then FSDP2 or replica sync, to one local stage module."""
+    def wrap(self, stage: int, module: nn.Module, timeout: float = 300.0) -> nn.Module:
+        """Apply TP, make the dp replicas equal (dp replica 0's parameters and buffers, for
+        every dp mode; before FSDP2 shards them), then FSDP2 or replica sync, to one local
+        stage module."""
         topo = self.topo
         if self.tp_plan is not None and topo.tp_mesh is not None:
             apply_tp(module, topo.tp_mesh, self.tp_plan)
+        if topo.dp_group is not None:
+            broadcast_replicas(
+                module, topo.dp_group, stage, topo.device,
+                lambda work, what: wait_bounded(work, timeout, what, None),
+            )  # fmt: skip
         param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         dp = topo.dp_size
         if self.dp == "fsdp" and topo.dp_mesh is not None:

@@ -1,0 +1,173 @@
+"""dp replicas start equal: each dp replica builds its model from a seed of its own, and after
+the Pipeline is built every replica holds dp replica 0's parameters and buffers; 3 SGD steps
+then match one process training dp replica 0's model on the whole batch.
+
+One spawn of 4 processes: pp2 x dp2 with dp=None/"ddp"/"fsdp", stage meshes [dp2, tp2],
+pp1 x dp2 x tp2 with dp="fsdp" (DTensor shards, before FSDP2 shards them), and replicas that
+build different models (refused on every process).
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+
+from parity import Block, D, dp_batch, mse, refusal
+
+ATOL = 1e-5
+STEPS = 3
+SEED = 1000  # dp replica d builds its model with SEED + d
+TP_PLAN = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
+
+
+class Gain(nn.Module):
+    """x * gain, gain a random buffer: a buffer that replicas built apart would not share."""
+
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.rand(D) + 0.5)
+        if extra:  # a replica that builds another model
+            self.register_buffer("offset", torch.zeros(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def _model(seed: int, extra: bool = False) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [Block(), Gain(extra), Block(), Block()]
+    return nn.Sequential(*layers, *[Block(), Gain(extra), Block(), Block()])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _state_diff(pipe: meshpipe.Pipeline, ref: nn.Module) -> float:
+    """Largest |value - dp replica 0's value| over this process's parameters and buffers."""
+    expected = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
+    worst = 0.0
+    for stage in pipe.stages:
+        for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+            worst = max(worst, (_full(t.detach()) - expected[name]).abs().max().item())
+    return worst
+
+
+@cache
+def _counting() -> list[int]:
+    """Count dist.broadcast calls made by meshpipe.parallel.replicas (patched once)."""
+    calls = [0]
+    original = dist.broadcast
+
+    def broadcast(*args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_code.co_filename.endswith("replicas.py"):
+            calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.broadcast = broadcast  # type: ignore[assignment]
+    return calls
+
+
+def _case(mesh: Any, dp_rank: int, rows: Any, **options: Any) -> dict[str, float]:
+    """Build from this replica's seed; compare with dp replica 0's model in one process."""
+    net = _model(SEED + dp_rank)
+    ref = _model(SEED)
+    calls = _counting()
+    before = calls[0]
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 4, mse, timeout=120, **options)
+    out = {
+        "broadcasts_per_stage": (calls[0] - before) / len(pipe.stages),
+        "start": _state_diff(pipe, ref),
+    }
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        x, y = torch.randn(16, D), torch.randn(16, D)
+        loss = pipe.step(rows(x), target=rows(y))
+        opt.step()
+        opt.zero_grad()
+        expected = mse(ref(x), y)
+        expected.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst = max(worst, abs(loss.item() - expected.item()))
+    out["loss"] = worst
+    out["end"] = _state_diff(pipe, ref)
+    return out
+
+
+def _four() -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    mesh = meshpipe.init_mesh(pp=2, dp=2)
+    d = mesh.get_local_rank("dp")
+    for dp in (None, "ddp", "fsdp"):
+        res[f"pp2 x dp2, dp={dp}"] = _case(mesh, d, lambda t: dp_batch(t, mesh), dp=dp)
+    meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 2}])
+    me = dist.get_rank()
+    mine = next(m for m in meshes if me in m.mesh.reshape(-1).tolist())
+    res["stage meshes [dp2, tp2]"] = _case(
+        meshes, mine.get_local_rank("dp"), lambda t: t, tp_plan=TP_PLAN
+    )
+    mesh = meshpipe.init_mesh(pp=1, dp=2, tp=2)
+    d = mesh.get_local_rank("dp")
+    res["pp1 x dp2 x tp2, dp=fsdp"] = _case(
+        mesh, d, lambda t: dp_batch(t, mesh), dp="fsdp", tp_plan=TP_PLAN
+    )
+    mesh = meshpipe.init_mesh(pp=2, dp=2)
+    other = _model(SEED, extra=mesh.get_local_rank("dp") == 1)
+    res["refusal"] = refusal(lambda: meshpipe.Pipeline(other, mesh, "1f1b", 4, mse, timeout=60))
+    return res
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return run_on_ranks(_four, 4, timeout=500)
+
+
+CASES = [
+    "pp2 x dp2, dp=None",
+    "pp2 x dp2, dp=ddp",
+    "pp2 x dp2, dp=fsdp",
+    "stage meshes [dp2, tp2]",
+    "pp1 x dp2 x tp2, dp=fsdp",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replicas_start_equal_and_train_as_one_process(
+    four: list[dict[str, Any]], case: str
+) -> None:
+    for rank, res in enumerate(four):
+        got = res[case]
+        assert got["start"] == 0.0, f"rank {rank}: after construction differs by {got['start']}"
+        assert got["loss"] <= ATOL, f"rank {rank}: loss differs by {got['loss']}"
+        assert got["end"] <= ATOL, f"rank {rank}: parameters differ by {got['end']} at the end"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_broadcast_per_stage_where_dp_is_split(four: list[dict[str, Any]], case: str) -> None:
+    for rank, res in enumerate(four):
+        # stage meshes: the tp=2 stage (processes 2, 3) has no dp replicas to make equal
+        expected = 0 if case.startswith("stage") and rank >= 2 else 1
+        assert four[rank][case]["broadcasts_per_stage"] == expected, (rank, res[case])
+
+
+def test_replicas_of_other_models_are_refused_everywhere(four: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(four):
+        assert "dp replicas [1] hold other parameters or buffers" in res["refusal"], (
+            rank,
+            res["refusal"],
+        )
