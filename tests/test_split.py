@@ -210,3 +210,24 @@ def test_meta_split_materialises_only_the_stages_asked_for() -> None:
     materialize([stages[0]], "cpu", init_fn=model._init_weights)
     inv = stages[0].get_buffer("model.rotary_emb.inv_freq")
     assert torch.allclose(inv, sm.llama(num_layers=2).model.rotary_emb.inv_freq)
+
+
+def test_hf_models_split_along_their_declared_pp_plan() -> None:
+    """A Hugging Face model's base_model_pp_plan names its trunk ("layers"): automatic points
+    come from it even when another, larger list of modules exists (here an unused one)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = sm.llama(num_layers=4)
+    big = nn.ModuleList(nn.Linear(128, 128) for _ in range(4))  # more parameters than the layers
+    model.model.add_module("adapters", big)
+    assert sum(p.numel() for p in big.parameters()) > sum(
+        p.numel() for p in model.model.layers.parameters()
+    )
+    ids, mask, _ = sm.tokens(batch=2, seq=6)
+    stages = meshpipe.split(model, num_stages=2, example_args=(ids,),
+                            example_kwargs={"attention_mask": mask})  # fmt: skip
+    names = [{n.split(".")[2] for n, _ in s.named_parameters() if ".layers." in n} for s in stages]
+    assert all(names) and set.union(*names) == {"0", "1", "2", "3"}, names
+    expected = model(ids, attention_mask=mask).logits
+    got = run_stages(stages, ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected)

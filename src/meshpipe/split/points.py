@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Sequence
 
 from torch import nn
 
 from meshpipe.errors import SplitError
 
-__all__ = ["check_points", "trunk_blocks", "check_num_stages"]
+__all__ = ["check_points", "trunk_blocks", "declared_trunk", "check_num_stages"]
+
+log = logging.getLogger(__name__)
 
 
 def check_points(model: nn.Module, points: Sequence[str]) -> list[str]:
@@ -37,11 +40,39 @@ def check_points(model: nn.Module, points: Sequence[str]) -> list[str]:
     return out
 
 
+def declared_trunk(model: nn.Module) -> str | None:
+    """The block list a Hugging Face model declares as its pipeline trunk: the entry of
+    ``config.base_model_pp_plan`` that is a ModuleList (``"layers"``), under the base model
+    (``model.model.layers`` for a ``*ForCausalLM``); None when the model declares none."""
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    base = prefix if isinstance(prefix, str) and prefix and hasattr(model, prefix) else ""
+    names = dict(model.named_modules())
+    for key in plan:
+        path = f"{base}.{key}" if base else str(key)
+        found = names.get(path)
+        if isinstance(found, (nn.ModuleList, nn.Sequential)) and len(found) > 1:
+            return path
+    log.warning(
+        "%s declares base_model_pp_plan %s but none of its entries is a list of blocks "
+        "under %r; choosing the trunk by size",
+        type(model).__name__, list(plan), base,
+    )  # fmt: skip
+    return None
+
+
 def trunk_blocks(model: nn.Module) -> list[str]:
-    """The model's repeated blocks, in order: an nn.Sequential's children, else the items of
-    the ModuleList (or nested Sequential) holding the most parameters."""
+    """The model's repeated blocks, in order: an nn.Sequential's children; the block list a
+    Hugging Face model declares in ``base_model_pp_plan``; else the items of the ModuleList
+    (or nested Sequential) holding the most parameters."""
     if isinstance(model, nn.Sequential):
         return [name for name, _ in model.named_children()]
+    declared = declared_trunk(model)
+    if declared is not None:
+        log.info("splitting along %s, the trunk the model's base_model_pp_plan declares", declared)
+        return [f"{declared}.{name}" for name, _ in model.get_submodule(declared).named_children()]
     best: tuple[int, str, nn.Module] | None = None
     for name, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
