@@ -44,6 +44,23 @@ def _eval_case(mesh: Any) -> dict[str, float]:
     }
 
 
+def _output_only_case(mesh: Any) -> dict[str, float]:
+    """eval_step with a loss_fn of the output alone needs no target, as step() does."""
+    net = blocks(4)
+    ref = copy.deepcopy(net)
+
+    def energy(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", num_microbatches=4, loss_fn=energy)
+    torch.manual_seed(6)
+    x = torch.randn(8, D)
+    loss = pipe.eval_step(x)
+    with torch.no_grad():
+        expected = energy(ref(x))
+    return {"loss": abs(loss.item() - expected.item())}
+
+
 def _short_batch_case(mesh: Any) -> dict[str, float]:
     net = blocks(4)
     ref = copy.deepcopy(net)
@@ -101,6 +118,7 @@ def _all(_: None = None) -> dict[str, Any]:
     mesh = meshpipe.init_mesh(pp=2)
     return {
         "eval": _eval_case(mesh),
+        "output_only": _output_only_case(mesh),
         "short": _short_batch_case(mesh),
         "example_args": _example_args_case(mesh),
         "autocast-1f1b": _autocast_case(mesh, "1f1b"),
@@ -115,6 +133,10 @@ def results() -> list[dict[str, Any]]:
 
 def test_eval_step_loss_and_metrics_match_one_process_on_every_rank(results: Any) -> None:
     check_case(results, "eval")
+
+
+def test_eval_step_with_a_loss_of_the_output_alone_needs_no_target(results: Any) -> None:
+    check_case(results, "output_only")
 
 
 def test_short_last_batch_runs_with_fewer_microbatches(results: Any) -> None:

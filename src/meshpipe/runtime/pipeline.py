@@ -508,8 +508,7 @@ class Pipeline:
         ``metrics_fn(output, target) -> {name: scalar tensor}`` (per-microbatch means),
         returns ``(loss, metrics)``, metrics reduced like the loss (weighted by microbatch
         share, averaged over dp)."""
-        if target is None:
-            raise PipelineError("eval_step() needs target= (the loss is computed from it)")
+        check_target("eval_step", self.loss_fn, self._loss_use, target)  # as step()
         infer = self._schedules.inference(num_microbatches)
         gate = self._check_call("eval_step", infer, args, kwargs, target, training=False)
         self._ensure_split(args, kwargs)
