@@ -4,9 +4,10 @@ One spawn (pp=2, two gloo ranks): save a pipeline with AdamW, then rank 0 makes 
 copy of the checkpoint per kind of damage (truncated, emptied, garbage, one flipped byte of
 tensor data, deleted data file; flipped or truncated ``.metadata``; an edited record), and
 both ranks load each copy; then the undamaged checkpoint, one without recorded checksums (an
-older save: loads, with a warning) and that one truncated (DCP's own error, wrapped). And in
-this process: how the data files are shared out for checking, and a plain nn.Module's
-checkpoint with a file longer than saved and a malformed checksums entry.
+older save: refused; loads with verify=False, with a warning) and that one truncated (DCP's
+own error, wrapped). And in this process: how the data files are shared out for checking,
+and a plain nn.Module's checkpoint with a file longer than saved and a malformed checksums
+entry.
 """
 
 from __future__ import annotations
@@ -153,10 +154,12 @@ DAMAGE: dict[str, tuple[Callable[[Path], str], str]] = {
 
 
 # -- spawned ranks -----------------------------------------------------------------------
-def _attempt(pipe: meshpipe.Pipeline, opt: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
+def _attempt(
+    pipe: meshpipe.Pipeline, opt: torch.optim.Optimizer, path: Path, **kwargs: Any
+) -> dict[str, Any]:
     """Load ``path``; what was raised (any BaseException: DCP's is one), and the loaded lr."""
     try:
-        ck.load(pipe, path, optimizer=opt)
+        ck.load(pipe, path, optimizer=opt, **kwargs)
     except BaseException as e:  # noqa: B036 - report anything, so this rank never hangs here
         return {"type": type(e).__name__, "message": str(e), "lr": None}
     return {"type": None, "message": "", "lr": opt.param_groups[0]["lr"]}
@@ -204,10 +207,11 @@ def _run(root_name: str) -> dict[str, Any]:
     records = _Records()
     logging.getLogger("meshpipe").addHandler(records)
     pipe, opt = build(mesh, seed=99)
-    out["legacy"] = _attempt(pipe, opt, root / "legacy")
+    out["legacy_refused"] = _attempt(pipe, opt, root / "legacy")
+    out["legacy"] = _attempt(pipe, opt, root / "legacy", verify=False)
     out["legacy_matches"] = same(state(pipe), saved)
     out["legacy_warnings"] = records.messages
-    out["legacy_truncated"] = _attempt(pipe, opt, root / "legacy_truncated")
+    out["legacy_truncated"] = _attempt(pipe, opt, root / "legacy_truncated", verify=False)
     out["files"] = files
     return out
 
@@ -242,11 +246,15 @@ def test_failed_loads_change_nothing_and_the_good_checkpoint_loads(
         assert res["good_matches"]
 
 
-def test_checkpoint_without_checksums_loads_with_a_warning(results: list[dict[str, Any]]) -> None:
+def test_checkpoint_without_checksums_loads_only_unverified(results: list[dict[str, Any]]) -> None:
     for res in results:
+        refused = res["legacy_refused"]
+        assert refused["type"] == "CheckpointError", refused
+        assert "records no checksums" in refused["message"], refused
+        assert "pass verify=False" in refused["message"], refused
         assert res["legacy"]["type"] is None, res["legacy"]
         assert res["legacy_matches"]
-    warned = [m for m in results[0]["legacy_warnings"] if "no checksums" in m]
+    warned = [m for m in results[0]["legacy_warnings"] if "verify=False" in m]
     assert warned and "unverified" in warned[0]
     assert results[1]["legacy_warnings"] == []  # said once, by rank 0
 

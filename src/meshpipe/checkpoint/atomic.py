@@ -5,8 +5,9 @@ written last, after DCP has fsynced its data and metadata. A save writes
 ``<dir>/.<name>.tmp-<token>``, then moves an existing ``<name>`` aside to
 ``<dir>/.<name>.old-<token>``, renames the new directory to ``<name>`` and deletes the old
 one. A crash at any point leaves either the previous checkpoint at ``<name>``, or (killed
-between the two renames) the previous checkpoint aside, where :func:`resolve` finds it and
-the next save puts it back. Staging directories are never loaded.
+between the two renames) the previous checkpoint aside, which :func:`resolve` names (and
+loads only when asked to) and the next save puts back. Staging directories are never loaded;
+a save that fails removes its own.
 """
 
 from __future__ import annotations
@@ -107,12 +108,24 @@ def publish(staged: str, path: str, token: str) -> None:
         _fsync_dir(parent)
 
 
-def resolve(path: str) -> str:
-    """The complete checkpoint directory to load for ``path``, or CheckpointError."""
+def resolve(path: str, allow_fallback: bool = False) -> str:
+    """The complete checkpoint directory to load for ``path``, or CheckpointError.
+
+    Where ``path`` is absent, a complete ``.<name>.old-*`` sibling (what a save killed between
+    its two renames leaves) is loaded only with ``allow_fallback``: anyone who can write to
+    the parent folder can plant one, so otherwise the error names the ones found.
+    """
     if is_complete(path):
         return path
     asides = [p for p in _siblings(path, "old") if is_complete(p)]
     if not os.path.exists(path) and asides:
+        if not allow_fallback:
+            raise CheckpointError(
+                f"no checkpoint at {path}; found {[str(p) for p in asides]}, set aside by an "
+                "interrupted save (or planted by anyone who can write to its folder): check "
+                "it and pass allow_fallback=True to load the newest, or move it to the path",
+                path=path,
+            )
         log.warning(
             "%s is absent; loading %s, which an interrupted save moved aside", path, asides[-1]
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import math
 import random
 from typing import Any
 
@@ -72,6 +73,12 @@ def _decode_tensor(spec: Any) -> torch.Tensor:
         raise CheckpointError(f"a tensor in extra is malformed: {e}") from e
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"a tensor in extra has an unknown dtype {spec['dtype']!r}")
+    size = math.prod(shape) * dtype.itemsize
+    if any(n < 0 for n in shape) or size != len(raw):
+        raise CheckpointError(
+            f"a tensor in extra is malformed: {len(raw)} bytes of {spec['dtype']} do not "
+            f"make the shape {shape}"
+        )
     if not raw:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
@@ -79,13 +86,15 @@ def _decode_tensor(spec: Any) -> torch.Tensor:
 
 
 def decode(value: Any) -> Any:
-    """The inverse of :func:`encode`."""
+    """The inverse of :func:`encode`; a malformed value is a CheckpointError."""
     if isinstance(value, list):
         return [decode(v) for v in value]
     if isinstance(value, dict):
         if set(value) == {_TENSOR}:
             return _decode_tensor(value[_TENSOR])
         if set(value) == {_TUPLE}:
+            if not isinstance(value[_TUPLE], list):
+                raise CheckpointError(f"a tuple in extra is malformed: {value[_TUPLE]!r:.80}")
             return tuple(decode(v) for v in value[_TUPLE])
         return {k: decode(v) for k, v in value.items()}
     return value

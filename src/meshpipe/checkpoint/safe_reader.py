@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from meshpipe.checkpoint.confine import confined
 from meshpipe.checkpoint.errors import CheckpointError
 
 __all__ = ["SafeReader", "SafeLoadPlanner", "read_metadata"]
@@ -70,8 +71,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(directory: str | os.PathLike[str]) -> Metadata:
-    """DCP's metadata of the checkpoint in ``directory``, unpickled with the allowlist."""
-    path = os.path.join(os.fspath(directory), ".metadata")
+    """DCP's metadata of the checkpoint in ``directory``, unpickled with the allowlist.
+
+    ``.metadata`` must be a regular file inside ``directory`` (not a link to elsewhere).
+    """
+    folder = os.fspath(directory)
+    path = confined(folder, ".metadata", folder)
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f, path).load()

@@ -9,7 +9,7 @@ state go to JSON (``OptimJson``), grouped by the parameters' names.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ __all__ = [
     "optimizer_state",
     "merge_optim_json",
     "optimizer_request",
-    "apply_optimizer",
+    "optimizer_load",
 ]
 
 MODEL = "model."
@@ -194,7 +194,11 @@ def optimizer_request(
     return request, sorted(missing)
 
 
-def _set_hparams(group: dict[str, Any], names: list[str], saved: dict[str, Any]) -> None:
+Copies = list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, value) to copy at commit
+
+
+def _set_hparams(group: dict[str, Any], names: list[str], saved: dict[str, Any]) -> Copies:
+    """Put saved hyperparameters in ``group`` (a copy); tensors in it are copied at commit."""
     sigs = {name: saved[name] for name in names if name in saved}
     distinct = {json.dumps(v, sort_keys=True) for v in sigs.values()}
     if len(distinct) > 1:
@@ -202,23 +206,37 @@ def _set_hparams(group: dict[str, Any], names: list[str], saved: dict[str, Any])
             f"one optimizer param group holds {names}, which were saved with different "
             "hyperparameters; group the parameters as when saving"
         )
+    copies: Copies = []
     if not sigs:
-        return
-    for key, value in decode(next(iter(sigs.values()))).items():
+        return copies
+    values = decode(next(iter(sigs.values())))
+    if not isinstance(values, dict):
+        raise CheckpointError(f"the saved hyperparameters of {names} are not an object")
+    for key, value in values.items():
         current = group.get(key)
         if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-            current.copy_(value)
+            if current.shape != value.shape:
+                raise CheckpointError(
+                    f"hyperparameter {key!r} of {names} was saved with shape "
+                    f"{tuple(value.shape)}; the optimizer's has {tuple(current.shape)}"
+                )
+            copies.append((current, value))
         else:
             group[key] = value
+    return copies
 
 
-def apply_optimizer(
+def optimizer_load(
     optimizer: torch.optim.Optimizer,
     named_params: Iterable[tuple[str, nn.Parameter]],
     loaded: dict[str, torch.Tensor],
     saved: dict[str, Any],
-) -> None:
-    """Put loaded state and saved hyperparameters into ``optimizer`` (via load_state_dict)."""
+) -> Callable[[], None]:
+    """Prepare loaded state and saved hyperparameters for ``optimizer``, changing nothing.
+
+    Returns the commit: a call that puts them in place (via the optimizer's load_state_dict).
+    Every check that can fail runs here, before the commit.
+    """
     hparams = {name: g["hparams"] for g in saved["param_groups"] for name in g["params"]}
     scalars = saved["scalars"]
     by_name: dict[str, dict[str, Any]] = {}
@@ -227,16 +245,28 @@ def apply_optimizer(
         by_name.setdefault(name, {})[state_key] = tensor
     native = optimizer.state_dict()
     state: dict[int, dict[str, Any]] = {}
+    copies: Copies = []
     index = 0
     for group, named in zip(native["param_groups"], _group_params(optimizer, named_params)):
-        _set_hparams(group, [n for n, _ in named], hparams)
+        copies += _set_hparams(group, [n for n, _ in named], hparams)
         for name, _ in named:
             entry = dict(by_name.get(name, {}))
-            entry.update(decode(scalars.get(name, {})))
+            values = decode(scalars.get(name, {}))
+            if not isinstance(values, dict):
+                raise CheckpointError(f"the saved optimizer state of {name!r} is not an object")
+            entry.update(values)
             if entry:
                 state[index] = entry
             index += 1
-    optimizer.load_state_dict({"state": state, "param_groups": native["param_groups"]})
+    to_load = {"state": state, "param_groups": native["param_groups"]}
+
+    def commit() -> None:
+        with torch.no_grad():
+            for current, value in copies:
+                current.copy_(value)
+        optimizer.load_state_dict(to_load)
+
+    return commit
 
 
 def raise_gathered(infos: list[dict[str, Any]], what: str, path: str) -> None:

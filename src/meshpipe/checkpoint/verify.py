@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from meshpipe.checkpoint.confine import check_names
+from meshpipe.checkpoint.dcp import NamingFileSystem
 from meshpipe.checkpoint.errors import CheckpointError
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "check_files",
     "check_metadata",
     "check_data",
+    "data_files",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,10 +60,14 @@ Sums = dict[str, dict[str, Any]]  # file name -> {"size": int, "crc32": hex str}
 
 
 class RecordingWriter(FileSystemWriter):
-    """DCP's FileSystemWriter that remembers the files this process wrote, to sum them."""
+    """DCP's FileSystemWriter that remembers the files this process wrote, to sum them.
+
+    Its writes name the file and the OS error when the OS refuses them (NamingFileSystem).
+    """
 
     def __init__(self, path: str, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
+        self.fs = NamingFileSystem()
         self.written: set[str] = set()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -176,7 +183,10 @@ def _problem(file: str, entry: Mapping[str, Any]) -> str | None:
 
 
 def check_files(directory: str, sums: Sums, names: Iterable[str]) -> None:
-    """Raise CheckpointError naming every file of ``names`` that does not match ``sums``."""
+    """Raise CheckpointError naming every file of ``names`` that does not match ``sums``.
+
+    The names must have passed :func:`check_names` (inside ``directory``, regular files).
+    """
     problems = []
     for name in names:
         problem = _problem(os.path.join(directory, name), sums[name])
@@ -186,17 +196,28 @@ def check_files(directory: str, sums: Sums, names: Iterable[str]) -> None:
         raise CheckpointError("; ".join(problems), path=directory)
 
 
-def check_metadata(directory: str, sums: Sums) -> None:
-    """Check DCP's ``.metadata`` (on every process, before it is unpickled)."""
+def check_metadata(directory: str, sums: Sums, record_file: str) -> None:
+    """Check DCP's ``.metadata`` (on every process, before it is unpickled).
+
+    First every file the record names must be inside ``directory`` and a regular file.
+    """
+    check_names(directory, sums, record_file)
     if METADATA not in sums:
         raise CheckpointError(f"{directory}: no checksum recorded for {METADATA}", path=directory)
     check_files(directory, sums, [METADATA])
 
 
-def check_data(directory: str, sums: Sums, metadata: Metadata, rank: int, world_size: int) -> None:
-    """Check this process's share of the data files; every file ``metadata`` reads is listed."""
+def data_files(directory: str, metadata: Metadata) -> set[str]:
+    """The files ``metadata`` reads from, each checked to be inside ``directory`` (confined)."""
     storage = metadata.storage_data or {}
     used = {str(getattr(info, "relative_path", "?")) for info in storage.values()}
+    check_names(directory, used, os.path.join(directory, METADATA))
+    return used
+
+
+def check_data(directory: str, sums: Sums, metadata: Metadata, rank: int, world_size: int) -> None:
+    """Check this process's share of the data files; every file ``metadata`` reads is listed."""
+    used = data_files(directory, metadata)
     unlisted = sorted(used - set(sums))
     if unlisted:
         raise CheckpointError(
