@@ -109,10 +109,40 @@ def _case(mesh: Any, dp_rank: int, rows: Any, **options: Any) -> dict[str, float
     return out
 
 
+def _odd_tensors(seed: int) -> nn.Module:
+    """Tensors of every shape of trouble: bool of odd length, 0-dim, empty, fp16, fp64,
+    a transposed (non-contiguous) parameter, one wider than a bucket."""
+    torch.manual_seed(seed)
+    m = nn.Module()
+    m.register_buffer("flags", torch.rand(7) > 0.5)
+    m.register_buffer("count", torch.randint(0, 1 << 40, ()))
+    m.register_buffer("nothing", torch.empty(0))
+    m.p16 = nn.Parameter(torch.randn(3, 5).half())
+    m.p64 = nn.Parameter(torch.randn(5, dtype=torch.float64))
+    m.pt = nn.Parameter(torch.randn(4, 6).t())
+    m.register_buffer("wide", torch.randn(40))  # 160 bytes: a bucket of its own
+    return m
+
+
+def _odd_case(mesh: Any) -> dict[str, Any]:
+    """broadcast_replicas itself, in 64-byte buckets: every tensor equal to replica 0's."""
+    from meshpipe.parallel.replicas import broadcast_replicas
+
+    m = _odd_tensors(SEED + mesh.get_local_rank("dp"))
+    ref = dict(_odd_tensors(SEED).state_dict())
+    calls = _counting()
+    before = calls[0]
+    group = mesh.get_group("dp")
+    broadcast_replicas(m, group, 0, torch.device("cpu"), lambda w, _what: w.wait(), 64)
+    differ = [k for k, v in m.state_dict().items() if not torch.equal(v, ref[k])]
+    return {"differ": differ, "broadcasts": calls[0] - before}
+
+
 def _four() -> dict[str, Any]:
     res: dict[str, Any] = {}
     mesh = meshpipe.init_mesh(pp=2, dp=2)
     d = mesh.get_local_rank("dp")
+    res["odd tensors"] = _odd_case(mesh)
     for dp in (None, "ddp", "fsdp"):
         res[f"pp2 x dp2, dp={dp}"] = _case(mesh, d, lambda t: dp_batch(t, mesh), dp=dp)
     meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 2}])
@@ -163,6 +193,13 @@ def test_one_broadcast_per_stage_where_dp_is_split(four: list[dict[str, Any]], c
         # stage meshes: the tp=2 stage (processes 2, 3) has no dp replicas to make equal
         expected = 0 if case.startswith("stage") and rank >= 2 else 1
         assert four[rank][case]["broadcasts_per_stage"] == expected, (rank, res[case])
+
+
+def test_odd_tensors_are_copied_exactly_in_small_buckets(four: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(four):
+        assert res["odd tensors"]["differ"] == [], (rank, res["odd tensors"])
+        # parameters, then buffers, in 64-byte buckets: [p16] [p64] [pt] [flags count] [wide]
+        assert res["odd tensors"]["broadcasts"] == 5, (rank, res["odd tensors"])
 
 
 def test_replicas_of_other_models_are_refused_everywhere(four: list[dict[str, Any]]) -> None:
