@@ -594,4 +594,5 @@ class Comm:
             peer_name=None
             if peer < 0
             else lambda: f"rank {peer} (global rank {self.ch.global_ranks[peer]})",
+            awaited=self.ch.global_ranks[peer] if peer >= 0 else None,
         )

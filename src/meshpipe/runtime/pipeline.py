@@ -22,6 +22,7 @@ from meshpipe.runtime.channels import Channels
 from meshpipe.runtime.clipping import clip_grads
 from meshpipe.runtime.closing import closing_status, failed_elsewhere, join_failed, reads_closing
 from meshpipe.runtime.compiling import CompileOption, compile_options, compile_stage
+from meshpipe.runtime.culprit import Blame
 from meshpipe.runtime.descs import DescCache
 from meshpipe.runtime.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.executor import ActionRecord, RankStatus, run_actions
@@ -158,6 +159,7 @@ class Pipeline:
         self._accumulate = Accumulator()  # no_sync(): gradients stay local to the replica
         self._records: list[ActionRecord] = []
         self._status = RankStatus()
+        self._blame = Blame(topo, mesh, self.timeout)  # names the culprit of a failed call
         self._steps = 0
 
     # -- construction helpers ----------------------------------------------------------
@@ -289,6 +291,7 @@ class Pipeline:
             "mb": None if st.action is None else st.action.mb,
             "waiting_for_pp_rank": peer,
             "waiting_for_global_rank": None if peer is None else topo.pp_global_ranks[peer],
+            "culprit": self._blame.claim,  # who failed first, once known (runtime/culprit.py)
         }
 
     def save_trace(self, path: str | os.PathLike[str]) -> None:
@@ -313,6 +316,7 @@ class Pipeline:
         every rank: the pp ranks agree that they were given the same call (``check_inputs``;
         the digests travel while the step begins), then the local checks run. The runtime
         passes the gate before its first transfer, so a refused call moves no data."""
+        self._blame.begin()
         if self._broken is not None:
             raise PipelineError(
                 f"this Pipeline cannot run any more: {self._broken}; its transfers may be out "
@@ -408,6 +412,7 @@ class Pipeline:
             # closes gloo's connections; a failure leaves ctrl readers to drain): no reuse
             what = "timed out" if isinstance(e, CommTimeoutError) else "failed"
             self._broken = f"an earlier step {what} ({type(e).__name__}: {str(e)[:300]})"
+            self._blame.claim_first(e)  # before any peer hears of it (runtime/culprit.py)
             cause = comm.remote_cause()
             comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
             if isinstance(e, Exception) and not isinstance(e, CommTimeoutError):
@@ -415,11 +420,13 @@ class Pipeline:
                 dp = not self._spmd.collectives_in_actions(training, self._accumulate.usual)
                 join_failed(self.topology, training or target is not None, self.timeout, dp)
             self._descs = DescCache()  # descriptions are unknown after a broken step
-            report = self.status()
-            log.error("meshpipe-status %s", json.dumps(report))
             if isinstance(e, CommTimeoutError) and getattr(cause, "peer_waited", False):
                 e.args = (f"{e}; meanwhile: {cause}",)  # both waited in one hang: keep both
                 cause = None
+            for err in (e, cause):
+                self._blame.named(err)
+            report = self.status()
+            log.error("meshpipe-status %s", json.dumps(report))
             if cause is not None and cause is not e and not isinstance(e, RemoteStageError):
                 # this rank failed on values a failed peer had zero-filled: report the peer
                 cause.meshpipe_status = report  # type: ignore[attr-defined]
@@ -433,7 +440,7 @@ class Pipeline:
         why = failed_elsewhere(failures, self.topology.device, self.topology.pp_rank)
         if why:
             self._broken = f"an earlier step failed ({why})"
-            raise RemoteStageError(why)
+            raise self._blame.named(RemoteStageError(why))
 
     def step(
         self,
@@ -478,9 +485,10 @@ class Pipeline:
         try:
             loss = self._reduce(losses, params, sched, 1.0 if grad_scale is None else grad_scale)
         except BaseException as e:  # torch's own collectives (FSDP2) speak gloo's words
+            err = translate(e, f"rank {self.topology.pp_rank}: the end-of-step reductions")
+            self._blame.failed(err)  # claim or name the culprit (runtime/culprit.py)
             report = self.status()
             log.error("meshpipe-status %s", json.dumps(report))
-            err = translate(e, f"rank {self.topology.pp_rank}: the end-of-step reductions")
             self._broken = f"an earlier step failed ({type(err).__name__}: {str(err)[:300]})"
             err.meshpipe_status = report  # type: ignore[attr-defined]
             if err is e:

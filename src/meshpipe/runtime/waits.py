@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshpipe.errors import CommTimeoutError, RemoteStageError
+from meshpipe.runtime import waiting
 
 __all__ = ["wait_work", "wait_bounded", "translate", "Watchdog"]
 
@@ -56,20 +57,29 @@ def wait_work(
     rank: int | None = None,
     peer: int | None = None,
     peer_name: Text | None = None,
+    awaited: int | None = None,
 ) -> None:
     """Wait at most ``seconds`` for ``work``; ``what`` says what it was, for the error (a
-    callable is called only then: waits are in the step's hot path)."""
+    callable is called only then: waits are in the step's hot path). ``awaited``: the
+    global rank waited for, when it is one process; a long wait is published to the job's
+    store (runtime/waiting.py), so that the peers can tell it from a stuck process."""
     if seconds <= 0:
         raise CommTimeoutError(f"{_text(what)} not done in time", rank=rank, peer=peer)
+    mark = waiting.begin(seconds, what, awaited)
     try:
         work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as e:
+        waiting.failed(mark)
         err = translate(
             e, str(_text(what)), rank=rank, peer=peer, peer_name=_text(peer_name), seconds=seconds
         )
         if err is e:
             raise
         raise err from e
+    except BaseException:
+        waiting.failed(mark)
+        raise
+    waiting.end(mark)
 
 
 class Watchdog:
