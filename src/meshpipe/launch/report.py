@@ -26,6 +26,7 @@ __all__ = [
     "format_picture",
     "signal_name",
     "cause_line",
+    "culprit_of",
 ]
 
 STATUS_DIR_ENV = "MESHPIPE_STATUS_DIR"
@@ -177,8 +178,24 @@ def _unreported(rank: int, code: int | None, stopped: bool) -> str:
     return f"{head} (it was killed, or never started the script)"
 
 
-def cause_line(rank: int, code: int | None) -> str:
-    """The summary's first line: the rank that ended first, the likely root cause."""
+def culprit_of(reports: Mapping[int, RankReport]) -> Mapping[str, Any] | None:
+    """The culprit the failed processes named (``status["culprit"]``, claimed in the job's
+    store by the first process that knew it: runtime/culprit.py), or None."""
+    claims = [
+        c
+        for rep in reports.values()
+        if isinstance(c := (rep.status or {}).get("culprit"), Mapping) and "rank" in c
+    ]
+    return min(claims, key=lambda c: float(c.get("time", 0.0)), default=None)
+
+
+def cause_line(rank: int, code: int | None, culprit: Mapping[str, Any] | None = None) -> str:
+    """The summary's first line: the process the others named as the culprit (the first
+    to fail, or the one stuck when the others' waits ran out), else the rank that ended
+    first, the likely root cause."""
+    if culprit is not None and culprit.get("rank") == rank and culprit.get("text"):
+        how = "killed or stopped" if code is None else _ending(code)
+        return f"root cause: {culprit['text']} (named by the failed processes; it {how})"
     return (
         f"root cause: global rank {rank} {_ending(code)}, the first rank to end; "
         "the others failed or were stopped after it"
@@ -194,10 +211,12 @@ def format_picture(
     stopped: Collection[int] = (),
 ) -> str:
     """One line per global rank (ranks without a report say so), after a line naming the
-    ``cause`` when known: the cause first, then failures, earliest first, then the other
-    ranks in order. ``stopped``: ranks the launcher signalled after the first failure."""
+    ``cause`` when known (with what the failed processes said of it): the cause first,
+    then failures, earliest first, then the other ranks in order. ``stopped``: ranks the
+    launcher signalled after the first failure."""
     codes = exit_codes or {}
-    lines = [] if cause is None else [cause_line(cause, codes.get(cause))]
+    culprit = culprit_of(reports)
+    lines = [] if cause is None else [cause_line(cause, codes.get(cause), culprit)]
 
     def key(r: int) -> tuple[bool, bool, float, int]:
         rep = reports.get(r, _NONE)

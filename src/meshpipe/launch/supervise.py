@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-from meshpipe.launch.report import RankReport, read_reports
+from meshpipe.launch.report import RankReport, culprit_of, read_reports
 
 __all__ = ["Supervisor", "RankEnd", "register", "first_failure", "exit_status"]
 
@@ -211,11 +211,18 @@ def first_failure(
     exit_codes: Mapping[int, int],
     reports: Mapping[int, RankReport],
 ) -> int | None:
-    """The global rank that failed first: the earliest to end with a non-zero status before
-    the supervisor signalled it (``exit_codes`` fill in statuses it could not read). Ranks
+    """The global rank that failed first: the culprit the failed processes named in their
+    reports (the first to fail, or the one stuck: runtime/culprit.py), else the earliest to
+    end with a non-zero status before the supervisor signalled it (``exit_codes`` fill in
+    statuses it could not read); the process that ends first is often not the one that
+    failed first (it waits for its peers' reports, or a peer of it is faster). Ranks
     seen ending at the same look are ordered: one that stopped on a signal handler (a
     "stopped" report) last, one that ended without a report (killed) first, then by the
     time of the report."""
+
+    culprit = culprit_of(reports)
+    if culprit is not None:
+        return int(culprit["rank"])
 
     def code(e: RankEnd) -> int | None:
         return e.exit_code if e.exit_code is not None else exit_codes.get(e.global_rank)

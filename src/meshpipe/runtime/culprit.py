@@ -159,7 +159,7 @@ class Blame:
     def _made(
         self, ranks: list[int], kind: str, error: str, by: int, waited: float
     ) -> dict[str, Any]:
-        return {
+        claim = {
             "rank": ranks[0],
             "ranks": ranks,
             "where": [self.where(r) for r in ranks],
@@ -171,6 +171,8 @@ class Blame:
             "call": self._call,
             "time": time.time(),
         }
+        claim["text"] = culprit_text(claim)  # for readers without this module (the launcher)
+        return claim
 
     def _stuck(self, e: BaseException) -> dict[str, Any] | None:
         """The claim of a timed-out process: the processes at the end of the chain of
