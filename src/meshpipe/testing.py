@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from meshpipe.launch.loopback import loopback_interface, loopback_store
+
 __all__ = ["run_on_ranks", "RankFailure", "free_port", "share_gpu"]
 
 # imported once by the fork server that starts the ranks (see _context): importing torch
@@ -85,7 +87,13 @@ def _worker(
     os.environ.update(environ)
     if device == "cuda":
         share_gpu(rank)
+    lo = loopback_interface()
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)  # gloo's pairs on loopback too
     os.environ.update(
+        # the store is the caller's, on 127.0.0.1 (run_on_ranks): every rank is its client,
+        # as torchrun's ranks are of its agent's store
+        TORCHELASTIC_USE_AGENT_STORE="True",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -121,8 +129,12 @@ def run_on_ranks(
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes; return each rank's result.
 
-    Each process has RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT set, so
-    ``meshpipe.init_mesh`` (or ``init_process_group``) works inside ``fn``. ``fn`` must be
+    Each process has RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set, so
+    ``meshpipe.init_mesh`` (or ``init_process_group``) works inside ``fn``: the store they
+    meet at is served by the caller on 127.0.0.1 only, for the duration of the call, and
+    the ranks are its clients (``TORCHELASTIC_USE_AGENT_STORE=True``, as under torchrun);
+    gloo listens on the loopback interface (``GLOO_SOCKET_IFNAME``, unless set). Nothing
+    of the job is reachable from another machine. ``fn`` must be
     importable (a module-level function) and its result picklable. Raises RankFailure with
     every failing rank's traceback, or when ranks are still running after ``timeout``
     seconds (they are killed).
@@ -146,7 +158,10 @@ def run_on_ranks(
     ctx = _context(start_method, device)
     results = ctx.Queue()
     environ = dict(os.environ)
-    port = free_port()
+    # the ranks' rendezvous store, served here on 127.0.0.1 only for the whole call (a rank
+    # 0 that served it from init_process_group would listen on every interface)
+    store = loopback_store(timeout)
+    port = int(store.port)
     procs = [
         ctx.Process(
             target=_worker,
@@ -191,6 +206,7 @@ def run_on_ranks(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+    del store  # every rank has ended: stop serving
     missing = [r for r in range(world_size) if r not in values and r not in errors]
     if errors or missing:
         parts = [f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)]

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from meshpipe.launch.loopback import BACKEND, LOOPBACK, loopback_interface, register
 from meshpipe.launch.report import STATUS_DIR_ENV, RankReport, format_picture, read_reports
 from meshpipe.launch.supervise import Supervisor, exit_status, first_failure
 
@@ -100,9 +101,9 @@ def _config(num_ranks: int, max_restarts: int, log_dir: str) -> LaunchConfig:
         max_nodes=1,
         nproc_per_node=num_ranks,
         run_id=f"meshpipe-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # port 0: the store picks a free one
-        local_addr="127.0.0.1",
+        # one store, on 127.0.0.1 only (torch's c10d rendezvous listens on every interface)
+        rdzv_backend=BACKEND,
+        local_addr=LOOPBACK,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -153,11 +154,15 @@ def launch(
     ):
         config = _config(num_ranks, max_restarts, agent_dir)
         values = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        lo = loopback_interface()
+        if lo is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+            values["GLOO_SOCKET_IFNAME"] = lo  # gloo's pairs listen on loopback too
         values.update(env or {})
         values[STATUS_DIR_ENV] = status_dir
         args = ["-u", "-m", "meshpipe.launch.worker", *target]
         supervisor = Supervisor(status_dir, grace=_SHUTDOWN_S)
         try:
+            register()  # the loopback rendezvous backend, for the agent
             with _environ(values), _quiet_agent(), supervisor:
                 elastic_launch(config, sys.executable)(*args)
         except ChildFailedError as e:
