@@ -1,7 +1,9 @@
 """Start N local ranks through torch's elastic launcher and report what each did on failure.
 
 ``launch(["train.py", "--lr", "3e-3"], num_ranks=4)`` is ``torchrun --nproc-per-node 4
-train.py --lr 3e-3`` on one machine: a c10d rendezvous on 127.0.0.1, one thread per rank
+train.py --lr 3e-3`` on one machine: one rendezvous store served on 127.0.0.1 only
+(:mod:`meshpipe.launch.loopback`; torch's c10d rendezvous would listen on every interface),
+gloo on the loopback interface, one thread per rank
 (OMP_NUM_THREADS=1 unless set), every rank run through :mod:`meshpipe.launch.worker` so
 that when one fails, every rank reports its action, microbatch, awaited peer and mesh
 coordinates. Once a rank has failed, a :class:`~meshpipe.launch.supervise.Supervisor`
