@@ -1,6 +1,8 @@
-"""Pipeline(compile=...): torch.compile per stage with every schedule, the I/W split included
-(a compiled stage's backward is one fused node: I runs it whole, W is empty). Parity with one
-process. aot_eager keeps the test fast; inductor is timed in docs/benchmarks.md."""
+"""Pipeline(compile=...): torch.compile per stage with every schedule, the I/W split included:
+a compiled stage's backward runs in two halves, so I leaves every weight gradient alone and
+W sets them. Parity with one process; dynamo's counters prove something was compiled.
+aot_eager keeps the multi-process test fast; inductor runs in one process here and is timed
+in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import meshpipe
+from meshpipe.runtime.stage import StageRunner
 from meshpipe.testing import run_on_ranks
 
 from parity import D, blocks, check_case, grad_diff, mse, refusal
@@ -36,10 +39,45 @@ def _case(mesh: Any, name: str, options: Any) -> dict[str, float]:
     return worst
 
 
+def _grads(runner: StageRunner) -> list[float]:
+    return [float(p.grad.sum()) if p.grad is not None else 0.0 for p in runner.module.parameters()]
+
+
+def _where_weights(mesh: Any, name: str, options: Any) -> dict[str, int]:
+    """How many I actions changed a weight gradient, and how many W actions did (of all)."""
+    counts = {"i_changed": 0, "w_changed": 0, "w": 0}
+    backward, weight = StageRunner.backward, StageRunner.weight
+
+    def on_backward(runner: StageRunner, mb: int, grads: Any, split: bool) -> Any:
+        before = _grads(runner)
+        out = backward(runner, mb, grads, split)
+        counts["i_changed"] += split and _grads(runner) != before
+        return out
+
+    def on_weight(runner: StageRunner, mb: int) -> None:
+        before = _grads(runner)
+        weight(runner, mb)
+        counts["w"] += 1
+        counts["w_changed"] += _grads(runner) != before
+
+    StageRunner.backward, StageRunner.weight = on_backward, on_weight  # type: ignore[method-assign]
+    try:
+        _case(mesh, name, options)
+    finally:
+        StageRunner.backward, StageRunner.weight = backward, weight  # type: ignore[method-assign]
+    return counts
+
+
 def _all(_: None = None) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
     torch.set_num_threads(1)
     mesh = meshpipe.init_mesh(pp=2)
     out: dict[str, Any] = {n: _case(mesh, n, {"backend": "aot_eager"}) for n in SCHEDULES}
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    for name in ("zbv", "zbh1"):
+        out[f"where-{name}"] = _where_weights(mesh, name, {"backend": "aot_eager"})
+    out["where-fused"] = _where_weights(mesh, "zbv", {"backend": "eager"})
     out["bad"] = refusal(
         lambda: meshpipe.Pipeline(
             blocks(8), mesh, "1f1b", num_microbatches=4, loss_fn=mse, compile="yes"
@@ -56,6 +94,48 @@ def results() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_compiled_stages_match_one_process(results: Any, name: str) -> None:
     check_case(results, name)
+
+
+def test_something_was_compiled(results: Any) -> None:
+    for rank, res in enumerate(results):
+        assert res["graphs"] > 0, f"rank {rank}: dynamo compiled no graph"
+
+
+@pytest.mark.parametrize("name", ["zbv", "zbh1"])
+def test_w_does_the_weight_work_of_compiled_stages(results: Any, name: str) -> None:
+    for rank, res in enumerate(results):
+        where = res[f"where-{name}"]
+        assert where["i_changed"] == 0, (rank, where)
+        assert where["w"] > 0 and where["w_changed"] == where["w"], (rank, where)
+
+
+def test_a_backend_without_the_split_runs_the_weight_work_in_i(results: Any) -> None:
+    for rank, res in enumerate(results):
+        where = res["where-fused"]
+        assert where["i_changed"] > 0 and where["w_changed"] < where["w"], (rank, where)
+
+
+def test_inductor_halves_give_the_eager_gradients() -> None:
+    """In one process: a stage compiled by inductor; its I sets no weight gradient, its W
+    sets them all, to the eager values."""
+    from meshpipe.runtime.backward import backward_input
+    from meshpipe.runtime.compiling import compile_stage
+
+    torch.manual_seed(0)
+    net = blocks(3)
+    ref = copy.deepcopy(net)
+    assert compile_stage(net, {}) == "split"
+    x = torch.randn(8, D, requires_grad=True)
+    out = net(x)
+    assert type(out.grad_fn).__name__ == "CompiledFunctionBackward", out.grad_fn
+    (gx,), pending = backward_input([out], [torch.ones_like(out)], [x], compiled=True)
+    assert all(p.grad is None for p in net.parameters())
+    pending.run()
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).backward(torch.ones(8, D))
+    torch.testing.assert_close(gx, x2.grad)
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_bad_compile_option_is_refused(results: Any) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from meshpipe.runtime.split_compile import Deferred, collecting, is_split_node
+
 __all__ = ["backward_full", "backward_input", "WeightGrad"]
 
 
@@ -78,8 +80,13 @@ class WeightGrad:
     params: list[torch.Tensor] = field(default_factory=list)
     # outputs whose whole graph is weight-only: W is their full backward
     direct: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
+    # the weight halves of compiled backward nodes (runtime/split_compile.py)
+    deferred: list[Deferred] = field(default_factory=list)
 
     def run(self) -> None:
+        for work in self.deferred:
+            work()
+        self.deferred = []
         child_edges: list[GradientEdge] = [e for e, _ in self.direct]
         child_grads: list[torch.Tensor] = [g for _, g in self.direct]
         self.direct = []
@@ -135,14 +142,16 @@ def _weight_only(order: Sequence[Node], acc: set[Node]) -> dict[Node, bool]:
 
 
 def _boundaries(
-    order: Sequence[Node], weight_only: dict[Node, bool]
+    order: Sequence[Node], weight_only: dict[Node, bool], compiled: bool
 ) -> list[tuple[Node, list[GradientEdge]]] | None:
     """Boundary nodes with the edges to their weight-only children; None if a weight-only
-    node feeds two boundary nodes (splitting could then run the activation path twice)."""
+    node feeds two boundary nodes (splitting could then run the activation path twice).
+    With ``compiled``, compiled regions' nodes split themselves (split_compile.py) and are
+    never boundaries."""
     found: list[tuple[Node, list[GradientEdge]]] = []
     owner_of: dict[Node, Node] = {}
     for node in order:
-        if weight_only[node]:
+        if weight_only[node] or (compiled and is_split_node(node)):
             continue
         edges = [
             GradientEdge(c, nr) for c, nr in node.next_functions if c is not None and weight_only[c]
@@ -159,11 +168,14 @@ def backward_input(
     outputs: Sequence[Root | None],
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
+    compiled: bool = False,
 ) -> tuple[list[torch.Tensor | None], WeightGrad]:
     """I: the inputs' gradients now, and a :class:`WeightGrad` to run later as W.
 
     The weights are the leaves of the graph that are not ``inputs`` (found from the graph,
     so parameters swapped in by FSDP2 or DTensor are the ones that get gradients).
+    ``compiled``: the stage was compiled with a split backend, whose nodes leave their own
+    weight work for W.
     """
     given, gs = _with_grad(outputs, grads)
     outs = [e for r in given if (e := _edge(r)) is not None]  # none dropped: all have graphs
@@ -178,7 +190,7 @@ def backward_input(
             acc[node] = leaf
     params = list(acc.values())
     weight_only = _weight_only(order, set(acc))
-    boundary = _boundaries(order, weight_only)
+    boundary = _boundaries(order, weight_only, compiled)
     if boundary is None:  # rare (a weight-only node shared by two uses): no split, W no-op
         return backward_full(outputs, grads, inputs), WeightGrad()
     capture: list[GradientEdge] = []
@@ -190,11 +202,13 @@ def backward_input(
     need_inputs = [x for x in inputs if x.requires_grad]
     wanted: list[Any] = [*need_inputs, *capture]
     got: Sequence[torch.Tensor | None] = ()
+    deferred: list[Deferred] = []
     if wanted:
-        got = torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True)
+        with collecting() as deferred:
+            got = torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True)
     it = iter(got[: len(need_inputs)])
     input_grads = [next(it) if x.requires_grad else None for x in inputs]
-    pending = WeightGrad(params=list(params))
+    pending = WeightGrad(params=list(params), deferred=deferred)
     per_node: dict[int, tuple[list[GradientEdge], list[torch.Tensor]]] = {}
     for edge, owner, g in zip(capture, owners, got[len(need_inputs) :]):
         if g is not None:

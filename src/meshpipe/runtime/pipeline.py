@@ -170,12 +170,12 @@ class Pipeline:
             module = self._spmd.wrap(s, modules[s].to(topo.device), self.timeout)
             module.train(self._training)
             full = apply_policy(module, self._recompute, s)
-            compiled = compile_stage(module, self._compile)
+            compiled = compile_stage(module, self._compile, split=self._spmd.dp != "fsdp")
             replay, fused = backward_plan(self._recompute, full, compiled, self._spmd.dp)
             self._runners[s] = StageRunner(
                 s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,
                 loss_fn=self.loss_fn, autocast=self._autocast, recompute=full, replay=replay,
-                fused_backward=fused,
+                fused_backward=fused, split_compiled=compiled == "split",
             )  # fmt: skip
 
     def _ensure_split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -83,13 +83,14 @@ def _called(name: str, units: tuple[str, ...]) -> bool:
     return any(_under(name, unit) for unit in units)
 
 
-def backward_plan(policy: Policy, full: bool, compiled: bool, dp: str | None) -> tuple[bool, bool]:
+def backward_plan(policy: Policy, full: bool, compiled: str, dp: str | None) -> tuple[bool, bool]:
     """(replay, fused backward) of a stage. "full" on a plain stage replays its forward
     once, at I; torch.utils.checkpoint (chosen submodules, FSDP2 stages, compiled stages)
     recomputes per backward call, so there the whole backward runs in I (W empty) rather
-    than recomputing twice. A compiled stage's backward is fused anyway."""
+    than recomputing twice. A stage compiled with a fused backward (``compiled ==
+    "fused"``) runs it whole in I; a split one (``"split"``) keeps I and W apart."""
     replay = full and not compiled and dp != "fsdp"
-    return replay, compiled or (policy is not None and not replay)
+    return replay, compiled == "fused" or (policy is not None and not replay)
 
 
 # -- "full" on plain stages: F keeps no activations, I runs the forward again ----------------

@@ -70,6 +70,7 @@ class StageRunner:
         recompute: bool = False,
         fused_backward: bool = False,
         replay: bool = False,
+        split_compiled: bool = False,
     ) -> None:
         self.index = index
         # "full" checkpointing by replay (runtime/recompute.py): F saves nothing, I runs the
@@ -78,6 +79,8 @@ class StageRunner:
         # a compiled stage's backward is one fused autograd node (weights and inputs at
         # once): I runs it whole and W has nothing left to do
         self.fused_backward = fused_backward
+        # compiled with a split backward (runtime/split_compile.py): its nodes leave W work
+        self.split_compiled = split_compiled
         self.autocast = autocast
         self.recompute = recompute and not replay  # torch.utils.checkpoint of the stage
         self.module = module
@@ -231,7 +234,9 @@ class StageRunner:
         if saved.layouts:  # gradients of DTensor outputs in the outputs' own layouts
             gs = [_as_layout(g, lay) for g, lay in zip(gs, saved.layouts, strict=True)]
         if split and not self.fused_backward:
-            in_grads, saved.pending = backward_input(saved.roots, gs, saved.inputs)
+            in_grads, saved.pending = backward_input(
+                saved.roots, gs, saved.inputs, compiled=self.split_compiled
+            )
         else:
             in_grads = backward_full(saved.roots, gs, saved.inputs)
         saved.roots = []

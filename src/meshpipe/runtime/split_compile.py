@@ -1,0 +1,178 @@
+"""Compiled stages whose backward splits into input work (I) and weight work (W).
+
+torch.compile turns a stage's backward into one fused autograd node computing the input and
+the weight gradients together, so a zero-bubble schedule's W would have nothing left to do.
+The backend here compiles the same forward, then cuts the backward graph AOTAutograd hands
+it in two: the nodes the input gradients need (I), and the rest of what the weight gradients
+need (W), which takes from I the intermediate gradients both share. Each half is compiled
+on its own (inductor, or run as traced for ``aot_eager``).
+
+When the fused node runs inside :func:`collecting` (the runtime's I), it computes the input
+gradients only, returns no weight gradient, and leaves a closure that W runs later to add
+the weight gradients to ``param.grad``. Anywhere else (B, or a plain ``loss.backward()``) it
+computes both, as an ordinary compiled backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = ["SPLIT_BACKENDS", "split_backend", "collecting", "is_split_node"]
+
+log = logging.getLogger(__name__)
+
+SPLIT_BACKENDS = ("inductor", "aot_eager")
+Deferred = Callable[[], None]
+_pending: list[Deferred] | None = None  # W work collected while an I runs
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[Deferred]]:
+    """Within: compiled backward nodes of split stages leave their weight work in the list."""
+    global _pending
+    outer, _pending = _pending, []
+    try:
+        yield _pending
+    finally:
+        _pending = outer
+
+
+def is_split_node(node: Any) -> bool:
+    """Whether an autograd node is the backward of a compiled region (split or fused)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+def _ancestors(roots: Sequence[Any]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+class _Halves:
+    """The backward graph cut in two: I (input grads, plus the values W shares) and W."""
+
+    def __init__(self, bw: fx.GraphModule, weight: Sequence[bool]) -> None:
+        nodes = list(bw.graph.nodes)
+        outs = list(nodes[-1].args[0])
+        self.num_outputs = len(outs)
+        places = [n for n in nodes if n.op == "placeholder"]
+        need_i = _ancestors([o for o, w in zip(outs, weight) if not w])
+        need_w = _ancestors([o for o, w in zip(outs, weight) if w])
+        only_w = need_w - need_i
+        shared = [
+            n
+            for n in nodes
+            if n in need_i and n in need_w and n.op != "placeholder"
+            and (n in outs or any(u in only_w for u in n.users))
+        ]  # fmt: skip
+        gi = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in nodes:
+            if n.op == "placeholder" or (n in need_i and n.op != "output"):
+                env[n] = gi.node_copy(n, lambda a: env[a])
+        firsts = [
+            env[o] if not w and isinstance(o, fx.Node) else None for o, w in zip(outs, weight)
+        ]
+        gi.output(tuple([*firsts, *(env[s] for s in shared)]))
+        gw = fx.Graph()
+        envw: dict[fx.Node, fx.Node] = {}
+        w_places = [p for p in places if p in need_w]
+        for src in [*w_places, *shared]:
+            envw[src] = gw.placeholder(f"w_{src.name}")
+            envw[src].meta = dict(src.meta)
+        for n in nodes:
+            if n in only_w and n.op not in ("placeholder", "output"):
+                envw[n] = gw.node_copy(n, lambda a: envw[a])
+        gw.output(
+            tuple(envw[o] if w and isinstance(o, fx.Node) else None for o, w in zip(outs, weight))
+        )
+        self.input_graph = fx.GraphModule(bw, gi)
+        self.weight_graph = fx.GraphModule(bw, gw)
+        self.weight_args = [places.index(p) for p in w_places]
+        self.shared_vals = [s.meta.get("val") for s in shared]
+
+
+def _compiled(gm: fx.GraphModule, example: list[Any], inductor: bool) -> Callable[[list[Any]], Any]:
+    if not inductor:
+        return lambda args: gm(*args)
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    fn = compile_fx_inner(gm, example, is_backward=True)
+    return lambda args: fn(list(args))
+
+
+def _backward(halves: _Halves, weight: Sequence[bool], example: list[Any], inductor: bool) -> Any:
+    first = _compiled(halves.input_graph, example, inductor)
+    w_example = [example[i] for i in halves.weight_args] + halves.shared_vals
+    second = _compiled(halves.weight_graph, w_example, inductor)
+    count = halves.num_outputs
+
+    def run(args: list[Any]) -> tuple[Any, ...]:
+        # boxed: AOTAutograd passes a list we may clear, freeing what W does not keep
+        keep = [args[i] for i in halves.weight_args]
+        out = first(args)
+        args.clear()
+        grads, shared = tuple(out[:count]), list(out[count:])
+        pending = _pending
+        node = torch._C._current_autograd_node() if pending is not None else None
+        edges = getattr(node, "next_functions", ())
+        if pending is None or len(edges) != count:  # B, or a node we cannot map: both
+            late = second([*keep, *shared])
+            return tuple(a if a is not None else b for a, b in zip(grads, late))
+        params = [
+            getattr(edges[i][0], "variable", None) if w else None for i, w in enumerate(weight)
+        ]
+
+        def weight_work() -> None:
+            with torch.no_grad():
+                late = second([*keep, *shared])
+            for p, g in zip(params, late):
+                if p is not None and g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+
+        pending.append(weight_work)
+        return grads
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def split_backend(name: str) -> Callable[..., Any]:
+    """A torch.compile backend (``inductor`` or ``aot_eager`` underneath) whose compiled
+    backward runs as I and W separately under :func:`collecting`."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    inductor = name == "inductor"
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        is_param = [isinstance(x, nn.Parameter) for x in example_inputs]
+
+        def bw_compiler(bw: fx.GraphModule, example: list[Any]) -> Any:
+            outs = list(list(bw.graph.nodes)[-1].args[0])
+            weight = [i < len(is_param) and is_param[i] for i in range(len(outs))]
+            return _backward(_Halves(bw, weight), weight, list(example), inductor)
+
+        kwargs: dict[str, Any] = {"bw_compiler": bw_compiler}
+        if inductor:
+            from torch._inductor.compile_fx import compile_fx_inner
+            from torch._inductor.decomposition import select_decomp_table
+
+            kwargs.update(fw_compiler=compile_fx_inner, decompositions=select_decomp_table())
+        else:
+            from functorch.compile import make_boxed_func
+
+            kwargs.update(fw_compiler=lambda g, _: make_boxed_func(g))
+        return aot_autograd(**kwargs)(gm, example_inputs)
+
+    return backend
