@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+import torch
 
 from meshpipe.runtime.microbatch import Microbatches
 from meshpipe.runtime.p2p import Comm
@@ -49,6 +52,14 @@ def _run_hooks(hooks: list[Callable[[], None]], action: Action, rank: int) -> No
         raise err from e
 
 
+def _ranges(row: tuple[Action, ...]) -> list[contextlib.AbstractContextManager[Any]]:
+    """One torch.profiler range per action (``meshpipe 1W3``) while a profiler records
+    (torch.profiler, Kineto/Perfetto, emit_nvtx for Nsight); nothing otherwise."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return [contextlib.nullcontext() for _ in row]
+    return [torch.profiler.record_function(f"meshpipe {a}") for a in row]
+
+
 def run_actions(
     schedule: Schedule,
     rank: int,
@@ -76,59 +87,61 @@ def run_actions(
     if status is None:
         status = RankStatus()
     row = schedule.actions[rank]
+    ranges = _ranges(row)
     for i, a in enumerate(row):
-        s, mb = a.stage, a.mb
-        st = stages[s]
-        t0 = clock()
-        status.action = a
-        comm.post(i)  # the previous action's send and this action's receive, together
-        if pre_hooks and a in pre_hooks:
-            _run_hooks(pre_hooks[a], a, rank)
-        if a.op is Op.F:
-            value: Any = None
-            if s == 0:
-                pass
-            elif placement[s - 1] == rank:
-                value = acts.pop((s, mb))
-                if training:
-                    value = as_stage_input(value)
-            else:
-                status.waiting_for = placement[s - 1]
-                value = comm.take(Transfer("act", s - 1, s, mb), a)
-                status.waiting_for = None
-            t1 = clock()
-            mb_inputs = (mbs.args[mb], mbs.kwargs[mb])
-            out = st.forward(mb, value, mb_inputs, mbs.targets[mb], shares[mb], training)
-            if s == last:
-                if training:
-                    losses[mb] = out
-            elif placement[s + 1] == rank:
-                acts[(s + 1, mb)] = out
-            else:
-                comm.put(Transfer("act", s, s + 1, mb), out)
-            del out, value
-        elif a.op is Op.W:
-            t1 = clock()
-            st.weight(mb)
-        else:
-            g: Any = None
-            if s < last:
-                if placement[s + 1] == rank:
-                    g = grads.pop((s, mb))
+        with ranges[i]:
+            s, mb = a.stage, a.mb
+            st = stages[s]
+            t0 = clock()
+            status.action = a
+            comm.post(i)  # the previous action's send and this action's receive, together
+            if pre_hooks and a in pre_hooks:
+                _run_hooks(pre_hooks[a], a, rank)
+            if a.op is Op.F:
+                value: Any = None
+                if s == 0:
+                    pass
+                elif placement[s - 1] == rank:
+                    value = acts.pop((s, mb))
+                    if training:
+                        value = as_stage_input(value)
                 else:
-                    status.waiting_for = placement[s + 1]
-                    g = comm.take(Transfer("grad", s + 1, s, mb), a)
+                    status.waiting_for = placement[s - 1]
+                    value = comm.take(Transfer("act", s - 1, s, mb), a)
                     status.waiting_for = None
-            t1 = clock()
-            in_grads = st.backward(mb, g, split=a.op is Op.I)
-            if s > 0:
-                if placement[s - 1] == rank:
-                    grads[(s - 1, mb)] = in_grads
+                t1 = clock()
+                mb_inputs = (mbs.args[mb], mbs.kwargs[mb])
+                out = st.forward(mb, value, mb_inputs, mbs.targets[mb], shares[mb], training)
+                if s == last:
+                    if training:
+                        losses[mb] = out
+                elif placement[s + 1] == rank:
+                    acts[(s + 1, mb)] = out
                 else:
-                    comm.put(Transfer("grad", s, s - 1, mb), in_grads)
-            del g, in_grads
-        if hooks and a in hooks:
-            _run_hooks(hooks[a], a, rank)
-        records.append(ActionRecord(a, t0, t1, clock()))
+                    comm.put(Transfer("act", s, s + 1, mb), out)
+                del out, value
+            elif a.op is Op.W:
+                t1 = clock()
+                st.weight(mb)
+            else:
+                g: Any = None
+                if s < last:
+                    if placement[s + 1] == rank:
+                        g = grads.pop((s, mb))
+                    else:
+                        status.waiting_for = placement[s + 1]
+                        g = comm.take(Transfer("grad", s + 1, s, mb), a)
+                        status.waiting_for = None
+                t1 = clock()
+                in_grads = st.backward(mb, g, split=a.op is Op.I)
+                if s > 0:
+                    if placement[s - 1] == rank:
+                        grads[(s - 1, mb)] = in_grads
+                    else:
+                        comm.put(Transfer("grad", s, s - 1, mb), in_grads)
+                del g, in_grads
+            if hooks and a in hooks:
+                _run_hooks(hooks[a], a, rank)
+            records.append(ActionRecord(a, t0, t1, clock()))
     comm.post(len(row))  # the last action's send
     return losses, records
