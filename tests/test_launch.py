@@ -129,12 +129,15 @@ def test_hang_is_diagnosed_within_the_timeout(tmp_path: Path) -> None:
     assert proc.returncode != 0, proc.stdout + proc.stderr
     picture = proc.stderr[proc.stderr.index("what each rank was doing:") :]
     cause, *lines = picture.splitlines()[1:4]
-    assert cause.startswith("root cause: global rank 0 exited with code 1, the first rank to end")
-    assert lines[0].startswith("global rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at 0B0 (mb 0), ")
-    assert "waiting for pp rank 1 (global rank 1); at hang.py:" in lines[0]
-    assert "CommTimeoutError: rank 0 waited 6.0s in 0B0" in lines[0]
-    assert lines[1].startswith("global rank 1 [pp=1 dp=0 tp=0] was in step 1 at 1F0 (mb 0), ")
-    assert lines[1].endswith(f"; at hang.py:{hang_line} in hang")
+    # the frozen rank, named by the one whose wait ran out (runtime/culprit.py), comes first
+    assert cause.startswith(
+        "root cause: global rank 1 (pp=1) is stuck: global rank 0 (pp=0) waited 6.0s for it"
+    ), picture
+    assert lines[1].startswith("global rank 0 [pp=0 dp=0 tp=0] FAILED in step 1 at 0B0 (mb 0), ")
+    assert "waiting for pp rank 1 (global rank 1); at hang.py:" in lines[1]
+    assert "CommTimeoutError: rank 0 waited 6.0s in 0B0" in lines[1]
+    assert lines[0].startswith("global rank 1 [pp=1 dp=0 tp=0] was in step 1 at 1F0 (mb 0), ")
+    assert lines[0].endswith(f"; at hang.py:{hang_line} in hang")
     # diagnosed within the 6 s timeout, plus the time for ranks to report and stop
     assert ended - float(stamp.read_text()) < 6.0 + 12.0
 

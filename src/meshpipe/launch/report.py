@@ -189,13 +189,18 @@ def culprit_of(reports: Mapping[int, RankReport]) -> Mapping[str, Any] | None:
     return min(claims, key=lambda c: float(c.get("time", 0.0)), default=None)
 
 
-def cause_line(rank: int, code: int | None, culprit: Mapping[str, Any] | None = None) -> str:
+def cause_line(
+    rank: int,
+    code: int | None,
+    culprit: Mapping[str, Any] | None = None,
+    stopped: bool = False,
+) -> str:
     """The summary's first line: the process the others named as the culprit (the first
     to fail, or the one stuck when the others' waits ran out), else the rank that ended
-    first, the likely root cause."""
+    first, the likely root cause. ``stopped``: the launcher signalled it."""
     if culprit is not None and culprit.get("rank") == rank and culprit.get("text"):
-        how = "killed or stopped" if code is None else _ending(code)
-        return f"root cause: {culprit['text']} (named by the failed processes; it {how})"
+        how = "the launcher stopped it" if stopped else f"it {_ending(code)}"
+        return f"root cause: {culprit['text']} (named by the failed processes; {how})"
     return (
         f"root cause: global rank {rank} {_ending(code)}, the first rank to end; "
         "the others failed or were stopped after it"
@@ -211,12 +216,17 @@ def format_picture(
     stopped: Collection[int] = (),
 ) -> str:
     """One line per global rank (ranks without a report say so), after a line naming the
-    ``cause`` when known (with what the failed processes said of it): the cause first,
+    ``cause`` when known (the culprit the failed processes named, when they named one, and
+    what they said of it): the cause first,
     then failures, earliest first, then the other ranks in order. ``stopped``: ranks the
     launcher signalled after the first failure."""
     codes = exit_codes or {}
     culprit = culprit_of(reports)
-    lines = [] if cause is None else [cause_line(cause, codes.get(cause), culprit)]
+    if culprit is not None and isinstance(culprit.get("rank"), int):
+        cause = culprit["rank"]  # also a stuck one, which the launcher stopped
+    lines = []
+    if cause is not None:
+        lines.append(cause_line(cause, codes.get(cause), culprit, cause in stopped))
 
     def key(r: int) -> tuple[bool, bool, float, int]:
         rep = reports.get(r, _NONE)

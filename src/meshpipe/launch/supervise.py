@@ -212,16 +212,16 @@ def first_failure(
     reports: Mapping[int, RankReport],
 ) -> int | None:
     """The global rank that failed first: the culprit the failed processes named in their
-    reports (the first to fail, or the one stuck: runtime/culprit.py), else the earliest to
+    reports when it raised (runtime/culprit.py; one they found stuck did not fail, and the
+    launcher stopped it: the picture names it, see format_picture), else the earliest to
     end with a non-zero status before the supervisor signalled it (``exit_codes`` fill in
     statuses it could not read); the process that ends first is often not the one that
     failed first (it waits for its peers' reports, or a peer of it is faster). Ranks
     seen ending at the same look are ordered: one that stopped on a signal handler (a
     "stopped" report) last, one that ended without a report (killed) first, then by the
     time of the report."""
-
     culprit = culprit_of(reports)
-    if culprit is not None:
+    if culprit is not None and culprit.get("kind") == "failed":
         return int(culprit["rank"])
 
     def code(e: RankEnd) -> int | None:
