@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -46,11 +47,12 @@ class _State:
     """The main thread's current wait and what the watcher published of it."""
 
     call = 0
-    # (monotonic start, wall-clock start, seconds, what, awaited global rank or None, call)
+    # (monotonic start, unused, seconds, what, awaited global rank or None, call)
     current: tuple[float, float, float, Any, int | None, int] | None = None  # a Wait
     published: tuple[Any, ...] | None = None  # the wait whose record is in the store
     last_failed: tuple[Any, ...] | None = None  # the last wait that failed
-    watcher: threading.Thread | None = None
+    watcher: threading.Thread | None = None  # started by the main thread's first wait
+    main = 0  # its thread id
     store: Any = None
     store_of: int = 0  # id() of the default store the clone was made from
 
@@ -101,7 +103,8 @@ def _publish(cur: tuple[Any, ...], failed: bool = False) -> None:
     store = job_store()
     if store is None:
         return
-    _t0, wall, seconds, what, awaited, call = cur
+    t0, _, seconds, what, awaited, call = cur
+    wall = time.time() - (time.monotonic() - t0)
     body = {"since": wall, "seconds": seconds, "what": _text(what), "awaited": awaited}
     body["timed_out"] = failed
     try:
@@ -139,12 +142,15 @@ Wait = tuple[float, float, float, Any, int | None, int]
 def begin(seconds: float, what: Any, awaited: int | None = None) -> Wait | None:
     """Mark a bounded wait of the main thread (``awaited``: the global rank waited for,
     when it is one process); hand the result to :func:`end` or :func:`failed`."""
-    if threading.get_ident() != threading.main_thread().ident:
-        return None
     if _State.watcher is None:
+        if threading.get_ident() != threading.main_thread().ident:
+            return None
+        _State.main = threading.get_ident()
         _State.watcher = threading.Thread(target=_watch, daemon=True, name="meshpipe-waiting")
         _State.watcher.start()
-    cur = (time.monotonic(), time.time(), seconds, what, awaited, _State.call)
+    elif threading.get_ident() != _State.main:
+        return None
+    cur = (time.monotonic(), 0.0, seconds, what, awaited, _State.call)
     _State.current = cur
     return cur
 
@@ -191,3 +197,11 @@ def read_records(call: int, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
             if store.check([key]):
                 out[r] = json.loads(store.get(key).decode())
     return out
+
+
+def _forked() -> None:
+    """A forked child has its parent's state but none of its threads."""
+    _State.watcher, _State.current, _State.published = None, None, None
+
+
+os.register_at_fork(after_in_child=_forked)
