@@ -4,8 +4,9 @@
 work on a Pipeline (all processes together) or a plain nn.Module (one process), under any
 mesh, schedule or stage count: keys are the original model names. ``export`` and
 ``load_export`` move the unsplit model's state dict to and from one safetensors file.
-``rng_state`` / ``set_rng_state`` put RNG states in ``extra`` for an exact resume.
-See docs/checkpoint.md.
+``rng_state`` / ``set_rng_state`` put RNG states in ``extra`` for an exact resume. Loads
+are all or nothing and read only regular files inside the checkpoint; a failed save removes
+its staging folder. See docs/checkpoint.md.
 """
 
 from __future__ import annotations

@@ -80,23 +80,31 @@ def _shapes(file: str) -> dict[str, tuple[int, ...]]:
         return {k: tuple(int(n) for n in f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (not a dict)
 
 
-def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    if is_dtensor(target):
-        from torch.distributed.tensor import distribute_tensor
+def _like(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` as ``target`` holds it: a DTensor target takes only its own shard."""
+    if not is_dtensor(target):
+        return full
+    from torch.distributed.tensor import distribute_tensor
 
-        dt: Any = target
-        full = distribute_tensor(
-            full.to(dt.device), dt.device_mesh, dt.placements, src_data_rank=None
-        )
-    with torch.no_grad():
-        target.copy_(full)
+    dt: Any = target
+    shard: torch.Tensor = distribute_tensor(
+        full.to(dt.device), dt.device_mesh, dt.placements, src_data_rank=None
+    )
+    return shard
+
+
+def _read_all(file: str, local: dict[str, torch.Tensor], saved: Any) -> dict[str, torch.Tensor]:
+    """Every key this process loads, read from ``file`` before anything is changed."""
+    with safe_open(file, framework="pt", device="cpu") as f:
+        return {k: _like(v, f.get_tensor(k)) for k, v in local.items() if k in saved}
 
 
 def load_export(pipe: Any, file: str | os.PathLike[str], *, strict: bool = True) -> None:
     """Load a safetensors state dict of the unsplit model (as :func:`export` writes) into ``pipe``.
 
     Every process reads only its own keys; a DTensor parameter takes its own shard. Checks as
-    :func:`load` does (missing, unexpected, mismatched shapes) before changing anything.
+    :func:`load` does (missing, unexpected, mismatched shapes) before changing anything, and
+    changes nothing until every process has read all its keys (an error raises everywhere).
     """
     t = as_target(pipe)
     file = os.path.abspath(os.fspath(file))
@@ -111,7 +119,13 @@ def load_export(pipe: Any, file: str | os.PathLike[str], *, strict: bool = True)
     infos = t.all_gather(found)
     raise_gathered(infos, f"load {file}", file)
     check_match(file, infos, saved, strict)
-    with safe_open(file, framework="pt", device="cpu") as f:
-        for key, value in local.items():
-            if key in saved:
-                _copy_into(value, f.get_tensor(key))
+    read: dict[str, torch.Tensor] = {}
+    error = None
+    try:  # all or nothing: read every key on every process, then change the model
+        read = _read_all(file, local, saved)
+    except Exception as e:  # safetensors raises its own error types
+        error = f"{file} cannot be read: {type(e).__name__}: {e}"
+    raise_gathered(t.all_gather({"error": error}), f"load {file}", file)
+    with torch.no_grad():
+        for key, value in read.items():
+            local[key].copy_(value)
