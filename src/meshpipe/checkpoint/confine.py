@@ -31,7 +31,7 @@ def confined(directory: str, name: str, where: str) -> str:
         )
     root = os.path.realpath(directory)
     real = os.path.realpath(os.path.join(directory, name))
-    if real == root or os.path.commonpath([root, real]) != root:
+    if os.path.commonpath([root, real]) != root:
         raise CheckpointError(
             f"{where}: entry {name!r} resolves to {real}, outside the checkpoint folder {root}",
             path=directory,
