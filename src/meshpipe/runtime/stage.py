@@ -17,6 +17,7 @@ from meshpipe.runtime.backward import WeightGrad, backward_full, backward_input
 from meshpipe.runtime.loss_target import loss_args, target_use
 from meshpipe.runtime.pytree import flatten, unflatten
 from meshpipe.runtime.recompute import Replay, keeping_nothing
+from meshpipe.runtime.slim import Boxes, keep_for_weights
 
 __all__ = ["StageRunner", "LossRecord", "as_stage_input"]
 
@@ -92,6 +93,7 @@ class StageRunner:
         self._saved: dict[int, _Saved] = {}
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
         self.keep_outputs = False  # last stage, training: keep outputs too
+        self.released_bytes = 0  # saved tensors dropped between I and W (runtime/slim.py)
 
     def reset(self) -> None:
         self._saved.clear()
@@ -220,8 +222,11 @@ class StageRunner:
     def backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         """B (``split=False``) or I (``split=True``); returns gradients of the stage inputs."""
         saved = self._saved[mb]
+        split = split and not self.fused_backward
+        boxes = Boxes() if split and saved.replay is not None else None
         if saved.replay is not None:  # the forward again: I (or B) and W use this graph
-            saved.roots, saved.replay = saved.replay.run(), None
+            with boxes.saving() if boxes is not None else contextlib.nullcontext():
+                saved.roots, saved.replay = saved.replay.run(), None
         if self.is_last:
             gs: list[torch.Tensor | None] = [saved.seed]
         else:
@@ -233,10 +238,12 @@ class StageRunner:
                 )
         if saved.layouts:  # gradients of DTensor outputs in the outputs' own layouts
             gs = [_as_layout(g, lay) for g, lay in zip(gs, saved.layouts, strict=True)]
-        if split and not self.fused_backward:
+        if split:
             in_grads, saved.pending = backward_input(
                 saved.roots, gs, saved.inputs, compiled=self.split_compiled
             )
+            if boxes is not None:  # from here to W, keep only what W uses
+                self.released_bytes += keep_for_weights(boxes, saved.pending)
         else:
             in_grads = backward_full(saved.roots, gs, saved.inputs)
         saved.roots = []
