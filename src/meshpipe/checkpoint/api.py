@@ -94,22 +94,9 @@ def save(
     infos = t.all_gather(info)
     optim_record = _agree(infos, path)  # the same checks, and result, on every process
     staged = atomic.staging_dir(path, infos[0]["token"])
-    writer = verify.RecordingWriter(
-        staged, single_file_per_rank=True, sync_files=True, overwrite=False
-    )
-    try:
-        with quiet_single_process(), dcp_errors(f"save to {path}", path):
-            dcp_save(
-                state,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
-                no_dist=not t.distributed,
-            )
-    except CheckpointError:  # raised on every process, once every process is done writing
-        _discard(t, staged)
-        raise
+    written = _write(t, state, staged, path)
     summing = time.perf_counter()
-    files, error = _sum_written(t, staged, writer.written)
+    files, error = _sum_written(t, staged, written)
     summing = time.perf_counter() - summing
     if t.rank == 0:
         record = {
@@ -130,6 +117,29 @@ def save(
         elapsed,
         summing,
     )
+
+
+def _write(t: Target, state: dict[str, torch.Tensor], staged: str, path: str) -> set[str]:
+    """DCP writes ``state`` into ``staged``; the files this process wrote.
+
+    On failure (raised by DCP on every process, once every process is done writing) the
+    staging folder is removed before the CheckpointError is raised.
+    """
+    writer = verify.RecordingWriter(
+        staged, single_file_per_rank=True, sync_files=True, overwrite=False
+    )
+    try:
+        with quiet_single_process(), dcp_errors(f"save to {path}", path):
+            dcp_save(
+                state,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                no_dist=not t.distributed,
+            )
+    except CheckpointError:
+        _discard(t, staged)
+        raise
+    return writer.written
 
 
 def _discard(t: Target, staged: str) -> None:
