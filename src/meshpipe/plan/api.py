@@ -1,0 +1,84 @@
+"""meshpipe.plan(model, ...): profile the model, search jointly, return the best Plan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from meshpipe.plan.candidate import Settings
+from meshpipe.plan.costs import Profile
+from meshpipe.plan.errors import PlanError
+from meshpipe.plan.profile import profile_model
+from meshpipe.plan.search import SCHEDULES, search
+from meshpipe.plan.value import Plan
+
+__all__ = ["plan"]
+
+log = logging.getLogger(__name__)
+
+
+def _check_int(name: str, value: object, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise PlanError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def plan(
+    model: nn.Module,
+    example_args: Sequence[Any] | Any = (),
+    target: Any = None,
+    loss_fn: Callable[..., Any] | None = None,
+    *,
+    world_size: int,
+    memory_per_rank: int | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    schedules: Sequence[str] = SCHEDULES,
+    tp_plan: Mapping[str, Any] | str | None = None,
+    stage_meshes: bool = False,
+    fsdp: bool = False,
+    max_microbatches: int = 64,
+    p2p_latency: float = 1e-4,
+    p2p_bandwidth: float = 2e9,
+    dp_bandwidth: float = 2e9,
+    overhead: float = 5e-5,
+    repeats: int = 3,
+    profile: Profile | None = None,
+    num_runners_up: int = 5,
+) -> Plan:
+    """The fastest predicted way to train ``model`` on ``world_size`` processes within
+    ``memory_per_rank`` bytes per process (None: no cap), with runners-up.
+
+    Profiles the model in this process on the example batch (``example_args`` /
+    ``example_kwargs``, rows on dim 0; ``loss_fn(output, target)`` on the last piece), or
+    uses ``profile=``; then searches layouts (pp, dp, tp; tp > 1 only with a ``tp_plan``;
+    ``stage_meshes=True`` adds meshes of unequal dp per pp rank), every schedule of
+    ``schedules``, microbatch counts dividing a replica's rows, and activation checkpointing
+    per stage where the cap needs it; each candidate is split by dynamic programming and
+    judged by the simulator. The machine's figures (p2p latency and bandwidth, the
+    all-reduce bandwidth, the runtime's overhead per action) are assumptions recorded in
+    ``plan.assumptions``. Raises PlanError when no plan fits the cap.
+    """
+    _check_int("world_size", world_size)
+    _check_int("max_microbatches", max_microbatches)
+    _check_int("repeats", repeats)
+    if memory_per_rank is not None:
+        _check_int("memory_per_rank", memory_per_rank)
+    if profile is None:
+        args = tuple(example_args) if isinstance(example_args, list | tuple) else (example_args,)
+        profile = profile_model(
+            model, args, dict(example_kwargs or {}), target, loss_fn, repeats=repeats
+        )
+    elif not isinstance(profile, Profile):
+        raise PlanError(f"profile must be a meshpipe.plan.Profile, got {type(profile).__name__}")
+    settings = Settings(
+        world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
+        p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,
+    )  # fmt: skip
+    divisors = [t for t in range(1, world_size + 1) if world_size % t == 0]
+    tp_degrees = [1] if tp_plan is None else divisors
+    return search(
+        profile, settings, schedules, tp_degrees, stage_meshes, max_microbatches, num_runners_up
+    )

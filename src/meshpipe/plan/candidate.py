@@ -1,0 +1,233 @@
+"""One candidate judged: a layout, schedule and microbatch count, split by DP, simulated.
+
+Stage costs come from the profile's pieces at the stage's rows per microbatch (``batch /
+(dp * mb)``, and over a stage mesh's dp). Checkpointing is switched on per stage only where
+the memory cap requires it. The simulator (``meshpipe.simulate``) gives the step's
+makespan; the data-parallel gradient reduction of each rank is added after its last
+action. No torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshpipe.errors import MeshpipeError
+from meshpipe.plan.costs import Affine, Profile
+from meshpipe.plan.dpsplit import best_split
+from meshpipe.plan.memory import held_peak, rank_memory
+from meshpipe.plan.value import Plan
+from meshpipe.schedule.ir import Schedule
+from meshpipe.schedule.registry import get_schedule
+from meshpipe.sim.simulate import Cost, simulate
+
+__all__ = ["Layout", "Settings", "judge"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``pp x dp x tp``, or stage meshes: ``stage_dp[r]`` dp processes on pp rank r."""
+
+    pp: int
+    dp: int = 1
+    tp: int = 1
+    stage_dp: tuple[int, ...] | None = None
+
+    def dp_of(self, rank: int) -> int:
+        return self.dp if self.stage_dp is None else self.stage_dp[rank]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the planner assumes about the machine (see docs/plan.md)."""
+
+    world_size: int
+    memory_per_rank: int | None = None
+    p2p_latency: float = 1e-4  # seconds per transfer
+    p2p_bandwidth: float = 2e9  # bytes per second between pp ranks
+    dp_bandwidth: float = 2e9  # bytes per second of the gradient all-reduce
+    overhead: float = 5e-5  # seconds the runtime adds per action
+    tp_efficiency: float = 0.8  # speedup of tp t is 1 + (t - 1) * efficiency
+    fsdp: bool = False
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "p2p_latency": self.p2p_latency,
+            "p2p_bandwidth": self.p2p_bandwidth,
+            "dp_bandwidth": self.dp_bandwidth,
+            "overhead": self.overhead,
+            "tp_efficiency": self.tp_efficiency,
+        }
+
+
+class _Sums:
+    """Prefix sums of the pieces' affine costs, so any segment's sum is O(1)."""
+
+    def __init__(self, profile: Profile) -> None:
+        def prefix(get: str) -> tuple[list[float], list[float]]:
+            fixed, per_row = [0.0], [0.0]
+            for p in profile.pieces:
+                a: Affine = getattr(p, get)
+                fixed.append(fixed[-1] + a.fixed)
+                per_row.append(per_row[-1] + a.per_row)
+            return fixed, per_row
+
+        self.pieces = profile.pieces
+        self.sums = {k: prefix(k) for k in ("f", "i", "w", "saved")}
+        static = [0.0]
+        grads = [0.0]
+        for p in profile.pieces:
+            static.append(static[-1] + p.param_bytes + p.grad_bytes + p.optimizer_bytes)
+            grads.append(grads[-1] + p.grad_bytes)
+        self.static, self.grads = static, grads
+
+    def at(self, key: str, first: int, end: int, rows: float) -> float:
+        fixed, per_row = self.sums[key]
+        return max(0.0, fixed[end] - fixed[first] + (per_row[end] - per_row[first]) * rows)
+
+
+@dataclass
+class _Stage:
+    f: float
+    i: float
+    w: float
+    static: float
+    held: float
+    transient: float
+    checkpointed: bool
+
+
+def _stage(
+    sums: _Sums, first: int, end: int, rows: float, speed: float, ac: bool, sh: float
+) -> _Stage:
+    """Pieces ``first..end-1`` as one stage: times over ``speed``, bytes per process."""
+    f = sums.at("f", first, end, rows) / speed
+    i = sums.at("i", first, end, rows) / speed
+    w = sums.at("w", first, end, rows) / speed
+    saved = sums.at("saved", first, end, rows)  # tp shards some of it: not counted
+    static = (sums.static[end] - sums.static[first]) / sh
+    if ac:
+        held = sums.pieces[first].input.at(rows)
+        return _Stage(f, i + f, w, static, held, saved, True)
+    return _Stage(f, i, w, static, saved, 0.0, False)
+
+
+def judge(
+    profile: Profile, layout: Layout, name: str, stages_per_rank: int, mb: int, st: Settings
+) -> Plan | None:
+    """The best split of this candidate and its predictions, or None when the schedule
+    does not exist for these sizes or no split has a stage per piece."""
+    pp, n = layout.pp, len(profile.pieces)
+    try:
+        sched = get_schedule(name, pp, mb, stages_per_rank if stages_per_rank > 1 else None)
+    except (ValueError, MeshpipeError):
+        return None
+    if sched.num_stages > n or sched.stages_per_rank != stages_per_rank:
+        return None
+    rows_mb = profile.batch_size / (layout.dp * mb)
+    sums = _Sums(profile)
+    rank_of = sched.placement
+    speed_tp = 1.0 + (layout.tp - 1) * st.tp_efficiency
+    shards = [layout.tp * (layout.dp_of(r) if st.fsdp else 1) for r in range(pp)]
+    inflight = [held_peak(sched, r, [1.0] * sched.num_stages) for r in range(pp)]
+    cap = st.memory_per_rank
+    single = sched.stages_per_rank == 1
+
+    def make(stage: int, first: int, end: int, ac: bool) -> _Stage:
+        r = rank_of[stage]
+        rows = rows_mb / layout.dp_of(r)
+        return _stage(sums, first, end, rows, speed_tp, ac, shards[r])
+
+    def seg_cost(stage: int, first: int, end: int) -> float:
+        best = math.inf
+        for ac in (False, True):
+            s = make(stage, first, end, ac)
+            if single and cap is not None:
+                mem = s.static + inflight[stage] * s.held + s.transient
+                if mem > cap:
+                    continue
+            best = min(best, s.f + s.i + s.w)
+            if best < math.inf:
+                break  # without checkpointing it fits: never recompute for nothing
+        return best
+
+    _, starts = best_split(n, sched.num_stages, seg_cost)
+    bounds = [0, *starts, n]
+    stages = []
+    for s in range(sched.num_stages):
+        plain = make(s, bounds[s], bounds[s + 1], False)
+        rec = make(s, bounds[s], bounds[s + 1], True)
+        count = inflight[rank_of[s]]
+        need = plain.static + count * plain.held
+        less = rec.static + count * rec.held + rec.transient < need  # recomputing helps
+        stages.append(rec if single and cap is not None and need > cap and less else plain)
+    memory = _memory(sched, stages)
+    if not single and cap is not None and max(memory) > cap:
+        stages = [
+            make(s, bounds[s], bounds[s + 1], memory[rank_of[s]] > cap)
+            for s in range(sched.num_stages)
+        ]
+        memory = _memory(sched, stages)
+    step, stage_times = _step_time(sched, stages, sums, bounds, rows_mb, layout, st)
+    return Plan(
+        world_size=st.world_size, pp=pp, dp=layout.dp, tp=layout.tp, schedule=name,
+        stages_per_rank=sched.stages_per_rank, num_microbatches=mb,
+        batch_size=profile.batch_size,
+        split_points=tuple(str(profile.pieces[b].point) for b in starts),
+        activation_checkpointing=tuple(s.checkpointed for s in stages),
+        step_time=step, memory=memory,
+        stage_meshes=None if layout.stage_dp is None else tuple(
+            {"dp": d} for d in layout.stage_dp
+        ),
+        dp_mode=_dp_mode(layout, st), memory_per_rank=cap,
+        fits=cap is None or max(memory) <= cap, stage_times=stage_times,
+        assumptions=st.as_dict(),
+    )  # fmt: skip
+
+
+def _dp_mode(layout: Layout, st: Settings) -> str | None:
+    if layout.stage_dp is not None:
+        return None  # stage meshes reduce their own dp
+    if layout.dp == 1:
+        return None
+    return "fsdp" if st.fsdp else "ddp"
+
+
+def _memory(sched: Schedule, stages: list[_Stage]) -> tuple[int, ...]:
+    return rank_memory(
+        sched, [s.static for s in stages], [s.held for s in stages],
+        [s.transient for s in stages],
+    )  # fmt: skip
+
+
+def _step_time(
+    sched: Schedule,
+    stages: list[_Stage],
+    sums: _Sums,
+    bounds: list[int],
+    rows_mb: float,
+    layout: Layout,
+    st: Settings,
+) -> tuple[float, tuple[float, ...]]:
+    """Simulated makespan, each rank's dp reduction after its last action, the largest."""
+    oh = st.overhead
+    split = sched.uses_split_backward
+    f = [s.f + oh for s in stages]
+    b = [s.i + s.w + (2 * oh if split else oh) for s in stages]
+    w = [s.w + oh for s in stages] if split else None
+    boundary = 0.0
+    for s in range(sched.num_stages - 1):
+        rows = rows_mb / layout.dp_of(sched.placement[s])
+        boundary = max(boundary, sums.pieces[bounds[s + 1] - 1].output.at(rows))
+    p2p = st.p2p_latency + boundary / st.p2p_bandwidth
+    timeline = simulate(sched, Cost(f=f, b=b, w=w, p2p=p2p))
+    step = 0.0
+    for r, row in enumerate(timeline.events):
+        end = max((e.end for e in row), default=0.0)
+        d = layout.dp_of(r)
+        if d > 1:
+            own = sched.stages_of(r)
+            grads = sum(sums.grads[bounds[s + 1]] - sums.grads[bounds[s]] for s in own)
+            end += st.p2p_latency + 2 * (d - 1) / d * grads / layout.tp / st.dp_bandwidth
+        step = max(step, end)
+    return step, tuple(x.f + x.i + x.w for x in stages)

@@ -1,0 +1,246 @@
+"""Profile a model piece by piece in one process: times and bytes at two batch sizes.
+
+The model is cut with ``meshpipe.split`` at every block of its trunk (so each piece runs as
+a stage would: the same modules, the same glue), then each piece runs on the previous
+piece's outputs: its forward (the last piece's includes ``loss_fn``), its backward for
+inputs only (``torch.autograd.grad`` w.r.t. the inputs: ``I``) and its whole backward
+(inputs and weights: ``B``); the weight part is ``W = B - I``. Medians of ``repeats`` runs
+after a warm-up. Bytes: parameters, gradients, AdamW state (two fp32 moments per trainable
+element), what autograd saves for backward (a saved-tensors ledger, parameters and shared
+storages counted once and not at all), what enters and leaves each piece.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from meshpipe.errors import SplitError
+from meshpipe.plan.costs import Affine, PieceCost, Profile
+from meshpipe.plan.errors import PlanError
+from meshpipe.split.api import call_stage, split
+from meshpipe.split.points import trunk_blocks
+
+__all__ = ["profile_model", "pieces_of"]
+
+log = logging.getLogger(__name__)
+
+
+def pieces_of(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[nn.Module], list[str | None], list[str]]:
+    """The model cut at every trunk block (and before the first, when something runs before
+    it): the piece modules, the split point beginning each (None for the first), names."""
+    blocks = trunk_blocks(model)
+    tries = [blocks, blocks[1:]] if not isinstance(model, nn.Sequential) else [blocks[1:]]
+    failure: SplitError | None = None
+    for points in tries:
+        names = (["(before trunk)"] if len(points) == len(blocks) else []) + list(blocks)
+        names[-1] += " (+ what follows)"
+        if not points:
+            return [model], [None], names
+        try:
+            pieces = split(model, points=points, example_args=args, example_kwargs=kwargs)
+        except SplitError as e:  # e.g. nothing runs before the first block
+            failure = e
+            continue
+        return pieces, [None, *points], names
+    raise failure if failure is not None else PlanError("internal: no split tried")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _detached(value: Any) -> Any:
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            d = t.detach()
+            return d.requires_grad_(True) if d.is_floating_point() else d
+        return t
+
+    return pytree.tree_map(leaf, value)
+
+
+def _rows(value: Any, rows: int, batch: int) -> Any:
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+            return t[:rows]
+        return t
+
+    return pytree.tree_map(leaf, value)
+
+
+class _Ledger:
+    """Bytes of distinct storages autograd saves while active (parameters excluded)."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.params = params
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in self.params and key not in self.seen:
+            self.seen.add(key)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    out = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def _measure_piece(
+    piece: nn.Module, index: int, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+    finish: Callable[[Any], Any] | None, repeats: int, params: set[int],
+) -> tuple[dict[str, float], Any]:  # fmt: skip
+    """One piece at one size: (figures, its output detached for the next piece)."""
+    inputs = _detached(value)
+
+    def forward() -> Any:
+        out = call_stage(piece, index, inputs, args, kwargs)
+        return finish(out) if finish is not None else out
+
+    f, out = _timed(forward, repeats)
+    ledger = _Ledger(params)
+    with ledger.hooks():
+        out = forward()
+    roots = [t for t in _tensors(out) if t.requires_grad]
+    wanted_in = [t for t in _tensors(inputs) if t.requires_grad]
+    weights = [p for p in piece.parameters() if p.requires_grad]
+    i = b = 0.0
+    if roots:
+        grads = [torch.ones_like(t) for t in roots]
+
+        def grad_of(of: list[torch.Tensor]) -> Callable[[], Any]:
+            return lambda: torch.autograd.grad(
+                roots, of, grads, retain_graph=True, allow_unused=True
+            )
+
+        if wanted_in:
+            i, _ = _timed(grad_of(wanted_in), repeats)
+        if wanted_in or weights:
+            b, _ = _timed(grad_of([*wanted_in, *weights]), repeats)
+    figures = {
+        "f": f, "i": min(i, b), "w": max(0.0, b - i), "saved": float(ledger.bytes),
+        "input": float(_nbytes(value)), "output": float(_nbytes(out)),
+    }  # fmt: skip
+    return figures, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _static_bytes(piece: nn.Module) -> tuple[int, int, int]:
+    params = {id(p): p for p in piece.parameters()}.values()
+    size = sum(p.numel() * p.element_size() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    grad = sum(p.numel() * p.element_size() for p in trainable)
+    return size, grad, sum(2 * 4 * p.numel() for p in trainable)
+
+
+def _sizes(batch: int) -> list[int]:
+    small = max(1, batch // 4)
+    return [small, batch] if small < batch else [batch]
+
+
+def profile_model(
+    model: nn.Module,
+    example_args: Sequence[Any],
+    example_kwargs: dict[str, Any] | None = None,
+    target: Any = None,
+    loss_fn: Callable[..., Any] | None = None,
+    repeats: int = 3,
+) -> Profile:
+    """Measure every piece of ``model`` on the example batch (rows on dim 0) and on a
+    quarter of it; PlanError when the inputs have no batch dim to read."""
+    args, kwargs = tuple(example_args), dict(example_kwargs or {})
+    leaves = [t for t in _tensors((args, kwargs)) if t.dim() > 0]
+    if not leaves:
+        raise PlanError("meshpipe.plan needs example inputs with a batch dim (dim 0)")
+    batch = leaves[0].shape[0]
+    pieces, points, names = pieces_of(model, args, kwargs)
+    every = [*model.parameters(), *(p for piece in pieces for p in piece.parameters())]
+    params = {p.untyped_storage().data_ptr() for p in every}
+    runs: dict[int, list[dict[str, float]]] = {}
+    was_training = model.training
+    model.train()
+    try:
+        for rows in _sizes(batch):
+            a, k = _rows(args, rows, batch), _rows(kwargs, rows, batch)
+            tgt = _rows(target, rows, batch)
+            value: Any = None
+            out: list[dict[str, float]] = []
+            for index, piece in enumerate(pieces):
+                last = index == len(pieces) - 1
+                finish = _finisher(loss_fn, tgt) if last else None
+                figures, value = _measure_piece(piece, index, value, a, k, finish, repeats, params)
+                out.append(figures)
+            runs[rows] = out
+    finally:
+        model.train(was_training)
+        model.zero_grad(set_to_none=True)
+    return _assemble(pieces, points, names, runs, batch, model)
+
+
+def _finisher(loss_fn: Callable[..., Any] | None, target: Any) -> Callable[[Any], Any]:
+    def finish(out: Any) -> Any:
+        if loss_fn is None:
+            floats = [t.float().mean() for t in _tensors(out) if t.is_floating_point()]
+            return torch.stack(floats).sum() if floats else out
+        return loss_fn(out, target) if target is not None else loss_fn(out)
+
+    return finish
+
+
+def _assemble(
+    pieces: list[nn.Module], points: list[str | None], names: list[str],
+    runs: dict[int, list[dict[str, float]]], batch: int, model: nn.Module,
+) -> Profile:  # fmt: skip
+    sizes = sorted(runs)
+    lo, hi = sizes[0], sizes[-1]
+    out = []
+    for index, (piece, point, name) in enumerate(zip(pieces, points, names)):
+        a, b = runs[lo][index], runs[hi][index]
+
+        def fit(key: str, a: dict[str, float] = a, b: dict[str, float] = b) -> Affine:
+            return Affine.through(lo, a[key], hi, b[key])
+
+        size, grad, opt = _static_bytes(piece)
+        out.append(
+            PieceCost(
+                name,
+                point,
+                fit("f"),
+                fit("i"),
+                fit("w"),
+                size,
+                grad,
+                opt,
+                fit("saved"),
+                fit("input"),
+                fit("output"),
+            )  # fmt: skip
+        )
+    device = str(next(iter(model.parameters())).device) if list(model.parameters()) else "cpu"
+    notes = {"sizes": sizes, "threads": torch.get_num_threads()}
+    log.info("profiled %d pieces at batch sizes %s", len(out), sizes)
+    return Profile(tuple(out), batch, device, notes)
