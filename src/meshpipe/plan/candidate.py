@@ -10,6 +10,7 @@ action. No torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshpipe.errors import MeshpipeError
@@ -113,10 +114,17 @@ def _stage(
 
 
 def judge(
-    profile: Profile, layout: Layout, name: str, stages_per_rank: int, mb: int, st: Settings
+    profile: Profile,
+    layout: Layout,
+    name: str,
+    stages_per_rank: int,
+    mb: int,
+    st: Settings,
+    starts: Sequence[int] | None = None,
 ) -> Plan | None:
-    """The best split of this candidate and its predictions, or None when the schedule
-    does not exist for these sizes or no split has a stage per piece."""
+    """The best split of this candidate (or the one beginning stages at pieces ``starts``)
+    and its predictions; None when the schedule does not exist for these sizes or there
+    are fewer pieces than stages."""
     pp, n = layout.pp, len(profile.pieces)
     try:
         sched = get_schedule(name, pp, mb, stages_per_rank if stages_per_rank > 1 else None)
@@ -151,7 +159,8 @@ def judge(
                 break  # without checkpointing it fits: never recompute for nothing
         return best
 
-    _, starts = best_split(n, sched.num_stages, seg_cost)
+    if starts is None:
+        _, starts = best_split(n, sched.num_stages, seg_cost)
     bounds = [0, *starts, n]
     stages = []
     for s in range(sched.num_stages):
