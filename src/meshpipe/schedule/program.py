@@ -13,21 +13,30 @@ matching receive is posted, as NCCL does for large messages and gloo for any mes
 a rank's operations towards a peer run in order. Posting each receive only right before the
 action that needs it deadlocks interleaved and V schedules under that rule; posting it as
 soon as the value can exist does not. :func:`meshpipe.validate` proves the program
-deadlock-free under rendezvous semantics (:mod:`meshpipe.schedule.rendezvous`). Imports no
-torch.
+deadlock-free under rendezvous semantics (:mod:`meshpipe.schedule.rendezvous`).
+
+The program is computed once per schedule object in integer form (:class:`IntProgram`,
+shared by validate's rule 4 and :func:`p2p_program`), and turned into :class:`P2P` values
+only when asked for, one rank at a time. Imports no torch.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+import gc
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import compress, count, islice, repeat
+from operator import and_, ne, rshift
 from typing import NamedTuple
 
-from meshpipe.schedule.comm import Transfer, Wiring, wiring
+from meshpipe.schedule.comm import Transfer, wiring
 from meshpipe.schedule.ir import Schedule
+from meshpipe.schedule.memo import memo, peek
 from meshpipe.schedule.replay import replay
+from meshpipe.schedule.unit import Packing, Placed, packing, unit_program
 
-__all__ = ["P2P", "Program", "p2p_program", "program_positions"]
+__all__ = ["P2P", "IntProgram", "Program", "int_program", "p2p_program", "program_positions"]
 
 
 class P2P(NamedTuple):
@@ -46,111 +55,177 @@ Group = tuple[P2P, ...]
 Program = tuple[tuple[Group, ...], ...]  # per rank: groups in posting order
 
 
-def _all_ranks(schedule: Schedule) -> list[tuple[list[Group], list[int]]]:
-    w = wiring(schedule)
-    starts: Sequence[Sequence[float]] | None = _unit_starts(schedule, w)
-    if starts is None:  # a posting-order mismatch or a deadlock: replay raises saying which
-        starts = [[e.start for e in row] for row in replay(schedule, lambda _a: 1.0)]
-    # per message code: its Transfer (one object for both ends), the producer's rank, start
-    n_codes = 2 * schedule.num_stages * schedule.num_microbatches
-    transfer: dict[int, Transfer] = {}
-    born_rank, born_start = [0] * n_codes, [0.0] * n_codes
-    sends: list[dict[int, P2P]] = []  # per rank: position -> the send posted before it
-    for rank, (peers, codes) in enumerate(zip(w.send_peer, w.send_code, strict=True)):
-        mine, at = starts[rank], {}
-        for i, peer in enumerate(peers):
-            if peer >= 0:
-                code = codes[i]
-                t = transfer[code] = w.transfer(code)
-                born_rank[code], born_start[code] = rank, mine[i]
-                at[i + 1] = P2P("send", peer, t)
-        sends.append(at)
-    out = []
-    for rank, (peers, codes) in enumerate(zip(w.recv_peer, w.recv_code, strict=True)):
-        mine = starts[rank]
-        recvs: dict[int, list[P2P]] = {}  # position -> receives, in consumption order
-        for i, peer in enumerate(peers):
-            if peer >= 0:
-                code = codes[i]
-                src, t0 = born_rank[code], born_start[code]
-                # the first action here that starts after the producer's start (at equal
-                # starts the lower rank's counts as earlier), at the latest the consumer
-                j = bisect_right(mine, t0) if rank < src else bisect_left(mine, t0)
-                op = P2P("recv", peer, transfer[code])
-                if j > i:
-                    j = i
-                if j in recvs:
-                    recvs[j].append(op)
-                else:
-                    recvs[j] = [op]
-        at = sends[rank]
-        positions = sorted(at.keys() | recvs.keys())
-        groups = [((at[q],) if q in at else ()) + tuple(recvs.get(q, ())) for q in positions]
-        out.append((groups, positions))
-    return out
+@dataclass(frozen=True, slots=True)
+class IntProgram:
+    """The p2p program as ints. Per rank, per operation in posting order: ``pair_codes``
+    (``2 * (src * num_ranks + dst)``, plus 1 for a send), ``peers`` and the message
+    ``codes`` (see :mod:`meshpipe.schedule.columns`); per group, the ``positions`` of the
+    actions they are posted before, and ``bounds``: the index of each group's first
+    operation, then the number of operations."""
+
+    num_ranks: int
+    num_microbatches: int
+    replayed: bool  # placed by replay(): the unit-time replay on ints refused the schedule
+    pair_codes: tuple[list[int], ...]
+    peers: tuple[list[int], ...]
+    codes: tuple[list[int], ...]
+    positions: tuple[list[int], ...]
+    bounds: tuple[list[int], ...]
 
 
-def _unit_starts(schedule: Schedule, w: Wiring) -> list[list[int]] | None:
-    """Start of every action in a replay with unit action times and instant non-blocking
-    sends (what ``replay(schedule, lambda _a: 1.0)`` gives, as ints), or None where that
-    replay raises (a posting-order mismatch or a deadlock)."""
+def int_program(schedule: Schedule) -> IntProgram:
+    """The schedule's program in integer form (computed once per schedule object). Raises
+    ScheduleError where the unit-time replay does (a posting-order mismatch, a deadlock)."""
+    return memo(schedule, "int_program", _int_program)
+
+
+def _int_program(schedule: Schedule) -> IntProgram:
+    placed, replayed = unit_program(schedule), False
+    if placed is None:  # what the replay makes of it: it raises on a mismatch or a deadlock
+        placed, replayed = _placed_by_replay(schedule), True
     p = schedule.num_ranks
-    sent: list[list[int]] = [[] for _ in range(p * p)]  # per pair src * p + dst: codes
-    ends: list[list[int]] = [[] for _ in range(p * p)]  # and the end times of their senders
-    consumed = [0] * (p * p)
-    waiting = [-1] * (p * p)  # the rank blocked on a pair, or -1
-    starts: list[list[int]] = [[] for _ in range(p)]
-    clock = [0] * p
-    ready = list(range(p))
-    while ready:
-        rank = ready.pop()
-        r_peer, r_code = w.recv_peer[rank], w.recv_code[rank]
-        s_peer, s_code = w.send_peer[rank], w.send_code[rank]
-        out, t = starts[rank], clock[rank]
-        i, n = len(out), len(r_peer)
-        while i < n:
-            src = r_peer[i]
-            if src >= 0:
-                pair = src * p + rank
-                k, got = consumed[pair], sent[pair]
-                if k == len(got):
-                    waiting[pair] = rank
-                    break
-                if got[k] != r_code[i]:
-                    return None
-                end = ends[pair][k]
-                if end > t:
-                    t = end
-                consumed[pair] = k + 1
-            out.append(t)
-            t += 1
-            dst = s_peer[i]
-            if dst >= 0:
-                pair = rank * p + dst
-                sent[pair].append(s_code[i])
-                ends[pair].append(t)
-                if waiting[pair] >= 0:
-                    ready.append(waiting[pair])
-                    waiting[pair] = -1
-            i += 1
-        clock[rank] = t
-    done = all(len(out) == len(peers) for out, peers in zip(starts, w.recv_peer, strict=True))
-    if not done or any(k != len(got) for k, got in zip(consumed, sent, strict=True)):
-        return None
-    return starts
+    peer_of = peers_by_pair_code(p)
+    pack = packing(schedule)
+    cols: tuple[list[list[int]], ...] = ([], [], [], [], [])
+    for ops in placed:
+        one = _finish(ops, pack, peer_of)
+        for col, value in zip(cols, one, strict=True):
+            col.append(value)
+    pair_codes, peers, codes, positions, bounds = (tuple(c) for c in cols)
+    return IntProgram(
+        p, schedule.num_microbatches, replayed, pair_codes, peers, codes, positions, bounds
+    )
+
+
+def peers_by_pair_code(p: int) -> list[int]:
+    """Per pair code ``2 * (src * p + dst) + is_send``: the peer, dst for a send, else src."""
+    return [(c >> 1) % p if c & 1 else (c >> 1) // p for c in range(2 * p * p)]
+
+
+def _finish(
+    ops: list[int], pack: Packing, peer_of: list[int]
+) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """One rank's pair codes, peers, codes, positions and bounds (see :class:`IntProgram`)
+    from its packed operations (see :data:`~meshpipe.schedule.unit.Placed`)."""
+    ops.sort()
+    at = list(map(rshift, ops, repeat(pack.group_shift)))  # per operation: its group position
+    shifted = map(rshift, ops, repeat(pack.code_bits))
+    pair_codes = list(map(and_, shifted, repeat(pack.pair_mask)))
+    codes = list(map(and_, ops, repeat(pack.code_mask)))
+    peers = list(map(peer_of.__getitem__, pair_codes))
+    # a group starts at the first operation and wherever the position changes
+    bounds = [0, *compress(count(1), map(ne, at, islice(at, 1, None)))] if at else []
+    positions = list(map(at.__getitem__, bounds))
+    bounds.append(len(at))
+    return pair_codes, peers, codes, positions, bounds
+
+
+def _placed_by_replay(schedule: Schedule) -> Placed:
+    """The operations placed as :func:`~meshpipe.schedule.unit.unit_program` places them,
+    from :func:`~meshpipe.schedule.replay.replay`'s start times: the slow path, for the
+    schedules it refuses that the replay runs (it raises on the others)."""
+    p, w = schedule.num_ranks, wiring(schedule)
+    pack = packing(schedule)
+    group, low, bits = pack.group_shift, pack.low_bits, pack.code_bits
+    rows = replay(schedule, lambda _a: 1.0)
+    keys = [[int(e.start) * p + rank for e in row] for rank, row in enumerate(rows)]
+    born = [0] * (2 * schedule.num_stages * schedule.num_microbatches)  # producers' keys
+    for rank in range(p):  # the last send of a code wins
+        for i, peer in enumerate(w.send_peer[rank]):
+            if peer >= 0:
+                born[w.send_code[rank][i]] = keys[rank][i]
+    placed: Placed = []
+    for rank, mine in enumerate(keys):
+        ops: list[int] = []
+        for i in range(len(mine)):
+            peer = w.send_peer[rank][i]
+            if peer >= 0:
+                pair_code = 2 * (rank * p + peer) + 1
+                ops.append((i + 1 << group) + (pair_code << bits) + w.send_code[rank][i])
+            peer = w.recv_peer[rank][i]
+            if peer >= 0:
+                code, pair_code = w.recv_code[rank][i], 2 * (peer * p + rank)
+                j = bisect_right(mine, born[code], 0, i)
+                ops.append((j << group) + (1 + i << low) + (pair_code << bits) + code)
+        placed.append(ops)
+    return placed
+
+
+_KIND = ("act", "grad")
+_new_tuple = tuple.__new__  # builds a named tuple from an iterable, in C
+
+
+def _transfer_table(schedule: Schedule, ranks: Iterable[int]) -> list[Transfer | None]:
+    """Per message code, its Transfer (one object for both ends of a message), for every
+    message that crosses between two ranks with one end on ``ranks``; None elsewhere."""
+    place, m = schedule.placement, schedule.num_microbatches
+    mine = set(ranks)
+    table: list[Transfer | None] = [None] * (2 * len(place) * m)
+    for src in range(len(place)):
+        for grad, dst in ((0, src + 1), (1, src - 1)):
+            if not 0 <= dst < len(place) or place[src] == place[dst]:
+                continue
+            if place[src] not in mine and place[dst] not in mine:
+                continue
+            fields = zip(repeat(_KIND[grad], m), repeat(src, m), repeat(dst, m), range(m))
+            table[2 * src * m + grad : 2 * (src + 1) * m : 2] = map(
+                _new_tuple, repeat(Transfer), fields
+            )
+    return table
+
+
+def _rank_groups(
+    prog: IntProgram, rank: int, table: list[Transfer | None], sides: list[str]
+) -> tuple[Group, ...]:
+    """``rank``'s groups of P2P values, the Transfers taken from ``table``, each operation's
+    "send" or "recv" from ``sides`` (by pair code)."""
+    bounds = prog.bounds[rank]
+    fields = zip(
+        map(sides.__getitem__, prog.pair_codes[rank]),
+        prog.peers[rank],
+        map(table.__getitem__, prog.codes[rank]),
+    )
+    ops: tuple[P2P, ...] = tuple(map(_new_tuple, repeat(P2P), fields))
+    return tuple(map(ops.__getitem__, map(slice, bounds, islice(bounds, 1, None))))
+
+
+def _materialise(schedule: Schedule, ranks: Sequence[int]) -> list[tuple[Group, ...]]:
+    """The P2P form of ``ranks``' programs. The values hold no reference cycles, so the
+    cyclic collector is paused meanwhile: it would otherwise walk the whole heap several
+    times over while they pile up (most of the time, on a large schedule)."""
+    prog = int_program(schedule)
+    sides = ["send" if c & 1 else "recv" for c in range(2 * prog.num_ranks**2)]
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        table = _transfer_table(schedule, ranks)
+        return [_rank_groups(prog, rank, table, sides) for rank in ranks]
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _p2p_program(schedule: Schedule) -> Program:
+    return tuple(_materialise(schedule, range(schedule.num_ranks)))
 
 
 def p2p_program(schedule: Schedule) -> Program:
     """Per rank, the groups of point-to-point operations in posting order.
 
     A group is a tuple of :class:`P2P`; the runtime posts exactly these groups, each one
-    right before the action at its position (see :func:`program_positions`).
+    right before the action at its position (see :func:`program_positions`). Computed once
+    per schedule object; raises ScheduleError where the schedule's unit-time replay does.
     """
-    return tuple(tuple(groups) for groups, _ in _all_ranks(schedule))
+    return memo(schedule, "p2p_program", _p2p_program)
 
 
 def program_positions(schedule: Schedule, rank: int) -> tuple[tuple[Group, ...], tuple[int, ...]]:
     """``rank``'s groups and, for each, the position in its row of the action it is posted
     before (``len(row)``: after the last action)."""
-    groups, positions = _all_ranks(schedule)[rank]
-    return tuple(groups), tuple(positions)
+    prog = int_program(schedule)
+    positions = tuple(prog.positions[rank])
+    whole: Program | None = peek(schedule, "p2p_program")
+    if whole is not None:
+        return whole[rank], positions
+    return _materialise(schedule, [rank])[0], positions

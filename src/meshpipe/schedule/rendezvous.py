@@ -35,11 +35,19 @@ from __future__ import annotations
 
 import sys
 from itertools import chain, repeat
+from operator import sub
 
 from meshpipe.errors import ScheduleError
 from meshpipe.schedule.comm import recv_of, send_of
 from meshpipe.schedule.ir import Action, Schedule
-from meshpipe.schedule.program import P2P, Program, p2p_program
+from meshpipe.schedule.program import (
+    P2P,
+    IntProgram,
+    Program,
+    int_program,
+    p2p_program,
+    peers_by_pair_code,
+)
 
 __all__ = ["check_rendezvous"]
 
@@ -57,11 +65,13 @@ def check_rendezvous(schedule: Schedule, program: Program | None = None) -> None
     """Raise ScheduleError unless ``program`` (default: ``p2p_program(schedule)``) runs to
     the end under rendezvous semantics; the error names the ranks of a wait-for cycle, the
     group and operation each is stuck on, and the actions involved."""
-    if program is None:
-        program = p2p_program(schedule)
-    flat = flatten_program(program)
+    flat = _flat_of(int_program(schedule)) if program is None else flatten_program(program)
     stuck = _play(flat)
     if any(j < len(ops) for j, ops in zip(stuck, flat[0])):  # noqa: B905 - same length
+        if program is None:  # report on the P2P form (the same operations, in the same order)
+            program = p2p_program(schedule)
+            flat = flatten_program(program)
+            stuck = _play(flat)
         _raise_deadlock(schedule, program, flat, stuck)
 
 
@@ -89,13 +99,28 @@ def flatten_program(program: Program) -> Flat:
     return _resolve(p, codes, firsts)
 
 
-def _resolve(p: int, codes: list[list[int]], firsts: list[list[int]]) -> Flat:
+def _flat_of(prog: IntProgram) -> Flat:
+    """The flat form of a program given as ints (what flatten_program gives of its P2P form)."""
+    p = prog.num_ranks
+    firsts: list[list[int]] = [[] for _ in range(2 * p * p)]
+    for pair_codes, bounds in zip(prog.pair_codes, prog.bounds, strict=True):
+        # per operation: the index of its group's first operation
+        starts = chain.from_iterable(map(repeat, bounds, map(sub, bounds[1:], bounds)))
+        for c, start in zip(pair_codes, starts):  # noqa: B905 - one start per operation
+            firsts[c].append(start)
+    return _resolve(p, list(prog.pair_codes), firsts, list(prog.peers))
+
+
+def _resolve(
+    p: int, codes: list[list[int]], firsts: list[list[int]], peers: list[list[int]] | None = None
+) -> Flat:
     """Pair the k-th send of each (src, dst) with the k-th receive: a code's partner is
     ``code ^ 1``, and every code belongs to one rank, which posts its operations in order."""
     # per code: a callable giving, at its k-th call, where the partner of the k-th op waits
     nexts = [chain(firsts[c ^ 1], repeat(_NEVER)).__next__ for c in range(2 * p * p)]
-    peer_of = [(c >> 1) % p if c & 1 else (c >> 1) // p for c in range(2 * p * p)]
-    peers = [[peer_of[c] for c in ops] for ops in codes]
+    if peers is None:
+        peer_of = peers_by_pair_code(p)
+        peers = [[peer_of[c] for c in ops] for ops in codes]
     needs = [[nexts[c]() for c in ops] for ops in codes]
     return peers, needs
 

@@ -1,0 +1,159 @@
+"""The unit-time replay that places the p2p program's operations: rule 3's fast pass.
+
+Every rank runs its row in order, each action taking one unit of time; a receive blocks
+until its message was sent (the k-th message on a pair of ranks is the k-th send, as in
+:mod:`meshpipe.schedule.replay`), a send is instant. An action's *key* is ``start *
+num_ranks + rank``: its start time, ties broken by rank, in one int. As it goes, the replay
+places each operation of the program (:mod:`meshpipe.schedule.program`): a send in the
+group after the action producing it, a receive in the group before the receiver's first
+action keyed above the producer (at the latest, before the action consuming it).
+
+Everything here is ints: a message is named by its *code*, ``2 * (src_stage *
+num_microbatches + mb)`` plus 1 for a gradient (the same at both ends), a pair of ranks by
+``src * num_ranks + dst``, an operation by its *pair code* ``2 * pair`` plus 1 for a send.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import NamedTuple
+
+from meshpipe.schedule.ir import Op, Schedule
+
+__all__ = ["Link", "Packing", "Placed", "links", "packing", "unit_program"]
+
+# Per rank, its operations in the order they were placed, each packed in one int (see
+# :class:`Packing`) so that, sorted, they are in posting order.
+Placed = list[list[int]]
+
+Link = tuple[int, int, int, int, int, int, int]  # see links()
+
+
+class Packing(NamedTuple):
+    """How an operation is packed in one int, from the high bits down: the position of its
+    group; 0 for a send, 1 + the consumer's position for a receive; its pair code; its
+    message code. Fields are read with shifts and masks."""
+
+    code_bits: int  # the message code: the low code_bits bits
+    low_bits: int  # the pair code: above code_bits, below low_bits
+    group_shift: int  # the group position: from group_shift up
+
+    @property
+    def code_mask(self) -> int:
+        return (1 << self.code_bits) - 1
+
+    @property
+    def pair_mask(self) -> int:
+        return (1 << (self.low_bits - self.code_bits)) - 1
+
+
+def packing(schedule: Schedule) -> Packing:
+    """The :class:`Packing` of ``schedule``'s operations."""
+    code_bits = (2 * schedule.num_stages * schedule.num_microbatches).bit_length()
+    low_bits = code_bits + (2 * schedule.num_ranks**2).bit_length()
+    longest = max(len(row) for row in schedule.actions)
+    return Packing(code_bits, low_bits, low_bits + (longest + 2).bit_length())
+
+
+def links(schedule: Schedule) -> tuple[list[Link], list[Link]]:
+    """Per stage, for its F and for its B/I: the pair it receives on and the pair it sends
+    on (-1: no message, or a neighbour on the same rank); the codes of those messages at
+    mb 0 (a message of mb k has code + 2 k); the two operations' pair and message codes
+    packed (see :class:`Packing`), at mb 0; and what to add to the key of the action
+    producing its input for the earliest key it can start at."""
+    place, p, m2 = schedule.placement, schedule.num_ranks, 2 * schedule.num_microbatches
+    last = len(place) - 1
+    bits = packing(schedule).code_bits
+
+    def link(src: int, me: int, dst: int, code_in: int, code_out: int) -> Link:
+        i = place[src] * p + place[me] if 0 <= src <= last and place[src] != place[me] else -1
+        o = place[me] * p + place[dst] if 0 <= dst <= last and place[dst] != place[me] else -1
+        delay = p + place[me] - place[src] if i >= 0 else 0  # one unit, rank to rank
+        return (
+            i,
+            o,
+            code_in,
+            code_out,
+            (2 * i << bits) + code_in,
+            (2 * o + 1 << bits) + code_out,
+            delay,
+        )
+
+    stages = range(last + 1)
+    fwd = [link(s - 1, s, s + 1, (s - 1) * m2, s * m2) for s in stages]
+    bwd = [link(s + 1, s, s - 1, (s + 1) * m2 + 1, s * m2 + 1) for s in stages]
+    return fwd, bwd
+
+
+def unit_program(schedule: Schedule) -> Placed | None:
+    """The program's operations, placed by the unit-time replay (see :data:`Placed`); None
+    where that replay fails (a receive gets another message than it names, a rank never
+    finishes, a message is never received, one is sent twice), which
+    :func:`~meshpipe.schedule.replay.check_dataflow` and
+    :func:`~meshpipe.schedule.replay.replay` then report in detail.
+
+    A receive waits here for the message it names rather than for the next one on its pair
+    of ranks; the messages of each pair are then checked to have been received in the
+    order they were sent, which makes the two the same."""
+    p, rows = schedule.num_ranks, schedule.actions
+    fwd, bwd = links(schedule)
+    pack = packing(schedule)
+    group, low = pack.group_shift, pack.low_bits
+    sent: list[list[int]] = [[] for _ in range(p * p)]  # per pair: codes, in sending order
+    got: list[list[int]] = [[] for _ in range(p * p)]  # and in receiving order
+    waiting = [-1] * (p * p)  # the rank blocked on a pair, or -1
+    born = [-1] * (2 * schedule.num_stages * schedule.num_microbatches)  # producers' keys
+    keys: list[list[int]] = [[] for _ in range(p)]
+    placed: Placed = [[] for _ in range(p)]
+    clock = list(range(p))  # per rank: the key of its next action
+    ready = list(range(p))
+    op_f, op_w = Op.F, Op.W
+    while ready:
+        rank = ready.pop()
+        row, mine, t, put = rows[rank], keys[rank], clock[rank], placed[rank].append
+        put_key = mine.append
+        i, n = len(mine), len(row)
+        while i < n:
+            a = row[i]
+            op = a.op
+            if op is op_w:
+                put_key(t)
+                t += p
+                i += 1
+                continue
+            pin, pout, cin, cout, pay_in, pay_out, delay = (
+                fwd[a.stage] if op is op_f else bwd[a.stage]
+            )
+            mb2 = a.mb << 1
+            if pin >= 0:
+                code = cin + mb2
+                b = born[code]
+                if b < 0:
+                    waiting[pin] = rank
+                    break
+                got[pin].append(code)
+                # before the first action here keyed above the producer, at the latest now
+                put((bisect_right(mine, b) << group) + (1 + i << low) + pay_in + mb2)
+                b += delay
+                if b > t:
+                    t = b
+            put_key(t)
+            if pout >= 0:
+                code = cout + mb2
+                if born[code] >= 0:
+                    return None
+                born[code] = t
+                sent[pout].append(code)
+                put((i + 1 << group) + pay_out + mb2)
+                if waiting[pout] >= 0:
+                    ready.append(waiting[pout])
+                    waiting[pout] = -1
+            t += p
+            i += 1
+        clock[rank] = t
+    if any(len(mine) != len(row) for mine, row in zip(keys, rows, strict=True)):
+        return None
+    if sent != got:  # per pair, in the same order
+        return None
+    return placed
