@@ -235,3 +235,41 @@ def test_plan_is_public_and_pure_parts_need_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "CLEAN", out.stderr
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(300, 16), *[nn.Linear(16, 16) for _ in range(4)],
+                          nn.Linear(16, 300))
+    x, y = torch.randint(0, 300, (8, 4)), torch.randint(0, 300, (8, 4))
+    return model, x, y, lambda o, t: nn.functional.cross_entropy(o.flatten(0, 1), t.flatten())
+"""
+
+
+def test_cli_plan_prints_writes_json_and_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from meshpipe.cli import main
+    from meshpipe.plan.command import parse_bytes
+
+    assert parse_bytes("16GiB") == 16 << 30 and parse_bytes("512MB") == 512 * 10**6
+    with pytest.raises(ValueError, match="as a size"):
+        parse_bytes("lots")
+    factory = tmp_path / "fac.py"
+    factory.write_text(FACTORY)
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    argv = ["plan", f"{factory}:tiny", "--world-size", "2", "--memory", "64MiB"]
+    assert main([*argv, "--out", str(out), "--png", str(png), "--schedules", "1f1b,gpipe"]) == 0
+    text = capsys.readouterr().out
+    plan = Plan.load(str(out))
+    assert "<- chosen" in text and f"wrote {out}" in text and plan.schedule in ("1f1b", "gpipe")
+    assert plan.memory_per_rank == 64 << 20 and plan.world_size == 2
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert main(["plan", f"{factory}:nothing", "--world-size", "2"]) == 2
+    assert "has no function 'nothing'" in capsys.readouterr().err

@@ -378,6 +378,21 @@ def _run_demo(args: argparse.Namespace) -> int:
     return _report_launch(launch(target, opts.ranks, env=env))
 
 
+# -- plan ----------------------------------------------------------------------------
+
+
+def _configure_plan(p: argparse.ArgumentParser) -> None:
+    from meshpipe.plan.command import configure  # torch-free until run
+
+    configure(p)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from meshpipe.plan.command import run
+
+    return run(args)
+
+
 # -- the table and main ----------------------------------------------------------------
 
 COMMANDS: dict[str, Command] = {
@@ -392,6 +407,11 @@ COMMANDS: dict[str, Command] = {
         "start N local ranks of a training script (torchrun's launcher)",
         _configure_launch,
         _run_launch,
+    ),
+    "plan": Command(
+        "profile a model and choose its layout, split, schedule, microbatches and checkpointing",
+        _configure_plan,
+        _run_plan,
     ),
     "demo": Command(
         "train a small GPT through a pipeline on this machine and show its timeline",

@@ -177,7 +177,7 @@ def judge(
             for s in range(sched.num_stages)
         ]
         memory = _memory(sched, stages)
-    step, stage_times = _step_time(sched, stages, sums, bounds, rows_mb, layout, st)
+    step, stage_costs, p2p = _step_time(sched, stages, sums, bounds, rows_mb, layout, st)
     return Plan(
         world_size=st.world_size, pp=pp, dp=layout.dp, tp=layout.tp, schedule=name,
         stages_per_rank=sched.stages_per_rank, num_microbatches=mb,
@@ -189,8 +189,8 @@ def judge(
             {"dp": d} for d in layout.stage_dp
         ),
         dp_mode=_dp_mode(layout, st), memory_per_rank=cap,
-        fits=cap is None or max(memory) <= cap, stage_times=stage_times,
-        assumptions=st.as_dict(),
+        fits=cap is None or max(memory) <= cap, stage_costs=stage_costs,
+        assumptions={**st.as_dict(), "p2p": p2p},
     )  # fmt: skip
 
 
@@ -217,8 +217,9 @@ def _step_time(
     rows_mb: float,
     layout: Layout,
     st: Settings,
-) -> tuple[float, tuple[float, ...]]:
-    """Simulated makespan, each rank's dp reduction after its last action, the largest."""
+) -> tuple[float, tuple[tuple[float, float, float], ...], float]:
+    """(the step: the simulated makespan, each rank's dp reduction after its last action,
+    the largest; each stage's (f, b, w) as simulated; the p2p time)."""
     oh = st.overhead
     split = sched.uses_split_backward
     f = [s.f + oh for s in stages]
@@ -239,4 +240,5 @@ def _step_time(
             grads = sum(sums.grads[bounds[s + 1]] - sums.grads[bounds[s]] for s in own)
             end += st.p2p_latency + 2 * (d - 1) / d * grads / layout.tp / st.dp_bandwidth
         step = max(step, end)
-    return step, tuple(x.f + x.i + x.w for x in stages)
+    ws = w if w is not None else [0.0] * len(f)
+    return step, tuple(zip(f, b, ws)), p2p

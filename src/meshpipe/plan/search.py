@@ -75,7 +75,7 @@ def _candidates(
         rows = profile.batch_size // layout.dp
         for name in schedules:
             spr = 2 if name in MULTI_STAGE else 1
-            if layout.stage_dp is not None and spr > 1:
+            if spr > 1 and (layout.stage_dp is not None or layout.pp == 1):
                 continue
             for mb in microbatch_counts(rows, max_microbatches):
                 plan = judge(profile, layout, name, spr, mb, st)

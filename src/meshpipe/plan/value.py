@@ -32,8 +32,11 @@ class Plan:
     ("full"). Predictions: ``step_time`` seconds of one ``pipe.step`` and
     ``memory[r]`` peak bytes of one process of pp rank ``r`` (parameters, gradients,
     optimizer state, saved activations). ``fits`` is False when a rank's prediction is over
-    ``memory_per_rank``; such plans are shown, never chosen. ``runners_up`` are the next
-    best candidates (each without runners-up of its own).
+    ``memory_per_rank``; such plans are shown, never chosen. ``stage_costs[s]`` is the
+    ``(f, b, w)`` seconds per microbatch the simulator used for stage ``s`` (``w`` 0 when
+    the schedule does not split the backward), ``assumptions`` the machine figures (and
+    ``p2p``, the simulated transfer time). ``runners_up`` are the next best candidates
+    (each without runners-up of its own).
     """
 
     world_size: int
@@ -52,7 +55,7 @@ class Plan:
     dp_mode: str | None = None
     memory_per_rank: int | None = None
     fits: bool = True
-    stage_times: tuple[float, ...] = ()
+    stage_costs: tuple[tuple[float, float, float], ...] = ()
     assumptions: dict[str, float] = field(default_factory=dict)
     runners_up: tuple[Plan, ...] = ()
 
@@ -87,6 +90,8 @@ class Plan:
                 value = [dict(m) for m in value]
             elif f.name == "assumptions":
                 value = dict(value)
+            elif f.name == "stage_costs":
+                value = [list(c) for c in value]
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
@@ -114,6 +119,8 @@ class Plan:
                 value = tuple(dict(m) for m in _list(name, value))
             elif name == "assumptions":
                 value = dict(value)
+            elif name == "stage_costs":
+                value = tuple(tuple(float(x) for x in c) for c in _list(name, value))
             elif isinstance(value, list):
                 value = tuple(value)
             kwargs[name] = value
@@ -142,6 +149,20 @@ class Plan:
         with open(path, encoding="utf-8") as f:
             return cls.from_json(f.read())
 
+    def timeline(self) -> Any:
+        """The simulated Timeline of this plan's step (``meshpipe.simulate``; no torch)."""
+        from meshpipe.schedule.registry import get_schedule
+        from meshpipe.sim.simulate import Cost, simulate
+
+        if len(self.stage_costs) != self.num_stages:
+            raise PlanError("this plan has no stage_costs to simulate (edited by hand?)")
+        spr = self.stages_per_rank if self.stages_per_rank > 1 else None
+        sched = get_schedule(self.schedule, self.pp, self.num_microbatches, spr)
+        f, b, w = (tuple(c[k] for c in self.stage_costs) for k in range(3))
+        split = sched.uses_split_backward
+        cost = Cost(f=f, b=b, w=w if split else None, p2p=self.assumptions.get("p2p", 0.0))
+        return simulate(sched, cost)
+
     def without_runners_up(self) -> Plan:
         return replace(self, runners_up=())
 
@@ -152,7 +173,7 @@ class Plan:
             self.layout,
             self.schedule + (f"/{self.stages_per_rank}" if self.stages_per_rank > 1 else ""),
             str(self.num_microbatches),
-            ",".join(self.split_points) or "-",
+            _clip(",".join(self.split_points) or "-", 40),
             ac,
             f"{self.step_time * 1e3:.2f}",
             format_bytes(self.peak_memory),
@@ -179,6 +200,10 @@ class Plan:
             "AC: x = stage recomputes its forward (activation_checkpointing 'full'), . = not",
         ]
         return "\n".join(out)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _mesh_text(mesh: Mapping[str, int]) -> str:
