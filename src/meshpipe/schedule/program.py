@@ -57,20 +57,24 @@ Program = tuple[tuple[Group, ...], ...]  # per rank: groups in posting order
 
 @dataclass(frozen=True, slots=True)
 class IntProgram:
-    """The p2p program as ints. Per rank, per operation in posting order: ``pair_codes``
-    (``2 * (src * num_ranks + dst)``, plus 1 for a send), ``peers`` and the message
-    ``codes`` (see :mod:`meshpipe.schedule.columns`); per group, the ``positions`` of the
-    actions they are posted before, and ``bounds``: the index of each group's first
-    operation, then the number of operations."""
+    """The p2p program as ints (see :mod:`meshpipe.schedule.unit` for codes and pair
+    codes). Per rank, per operation in posting order: ``ops``, packed (see
+    :class:`~meshpipe.schedule.unit.Packing`), their ``pair_codes`` and ``peers``; per
+    group, the ``positions`` of the actions they are posted before, and ``bounds``: the
+    index of each group's first operation, then the number of operations."""
 
     num_ranks: int
-    num_microbatches: int
     replayed: bool  # placed by replay(): the unit-time replay on ints refused the schedule
+    pack: Packing
+    ops: tuple[list[int], ...]
     pair_codes: tuple[list[int], ...]
     peers: tuple[list[int], ...]
-    codes: tuple[list[int], ...]
     positions: tuple[list[int], ...]
     bounds: tuple[list[int], ...]
+
+    def codes(self, rank: int) -> list[int]:
+        """``rank``'s message codes, per operation in posting order."""
+        return list(map(and_, self.ops[rank], repeat(self.pack.code_mask)))
 
 
 def int_program(schedule: Schedule) -> IntProgram:
@@ -86,15 +90,13 @@ def _int_program(schedule: Schedule) -> IntProgram:
     p = schedule.num_ranks
     peer_of = peers_by_pair_code(p)
     pack = packing(schedule)
-    cols: tuple[list[list[int]], ...] = ([], [], [], [], [])
+    cols: tuple[list[list[int]], ...] = ([], [], [], [])
     for ops in placed:
         one = _finish(ops, pack, peer_of)
         for col, value in zip(cols, one, strict=True):
             col.append(value)
-    pair_codes, peers, codes, positions, bounds = (tuple(c) for c in cols)
-    return IntProgram(
-        p, schedule.num_microbatches, replayed, pair_codes, peers, codes, positions, bounds
-    )
+    pair_codes, peers, positions, bounds = (tuple(c) for c in cols)
+    return IntProgram(p, replayed, pack, tuple(placed), pair_codes, peers, positions, bounds)
 
 
 def peers_by_pair_code(p: int) -> list[int]:
@@ -104,20 +106,19 @@ def peers_by_pair_code(p: int) -> list[int]:
 
 def _finish(
     ops: list[int], pack: Packing, peer_of: list[int]
-) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-    """One rank's pair codes, peers, codes, positions and bounds (see :class:`IntProgram`)
-    from its packed operations (see :data:`~meshpipe.schedule.unit.Placed`)."""
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """One rank's pair codes, peers, positions and bounds (see :class:`IntProgram`) from
+    its packed operations (see :data:`~meshpipe.schedule.unit.Placed`), sorting them."""
     ops.sort()
     at = list(map(rshift, ops, repeat(pack.group_shift)))  # per operation: its group position
     shifted = map(rshift, ops, repeat(pack.code_bits))
     pair_codes = list(map(and_, shifted, repeat(pack.pair_mask)))
-    codes = list(map(and_, ops, repeat(pack.code_mask)))
     peers = list(map(peer_of.__getitem__, pair_codes))
     # a group starts at the first operation and wherever the position changes
     bounds = [0, *compress(count(1), map(ne, at, islice(at, 1, None)))] if at else []
     positions = list(map(at.__getitem__, bounds))
     bounds.append(len(at))
-    return pair_codes, peers, codes, positions, bounds
+    return pair_codes, peers, positions, bounds
 
 
 def _placed_by_replay(schedule: Schedule) -> Placed:
@@ -183,7 +184,7 @@ def _rank_groups(
     fields = zip(
         map(sides.__getitem__, prog.pair_codes[rank]),
         prog.peers[rank],
-        map(table.__getitem__, prog.codes[rank]),
+        map(table.__getitem__, prog.codes(rank)),
     )
     ops: tuple[P2P, ...] = tuple(map(_new_tuple, repeat(P2P), fields))
     return tuple(map(ops.__getitem__, map(slice, bounds, islice(bounds, 1, None))))

@@ -30,6 +30,8 @@ none.
 
 from __future__ import annotations
 
+from operator import add, ge, gt, lt
+
 from meshpipe.errors import ScheduleError
 from meshpipe.schedule.ir import Action, Op, Schedule
 from meshpipe.schedule.program import int_program
@@ -165,21 +167,23 @@ def _pair_problem(
 def _locally_ordered(
     schedule: Schedule, table: tuple[list[int], list[int], list[int], list[int]]
 ) -> bool:
-    """Fast whole-table form of rule 2; False sends us to the scan that locates the fault."""
+    """Fast whole-table form of rule 2; False sends us to the scan that locates the fault.
+    Rule 1 holds: at most one of B and I per (stage, mb), so ``B + I`` is the position of
+    the one present less 1, or -2 in an inference schedule."""
     pos_f, pos_b, pos_i, pos_w = table
     m, place = schedule.num_microbatches, schedule.placement
-    bwd = list(map(max, pos_b, pos_i))  # the B or I position, -1 in an inference schedule
-    training = bwd[0] >= 0
-    if training and not all(b > f for f, b in zip(pos_f, bwd)):  # noqa: B905 - same length
+    bwd = list(map(add, pos_b, pos_i))  # the B or I position - 1, -2 in an inference schedule
+    training = bwd[0] >= -1
+    if training and not all(map(ge, bwd, pos_f)):  # each backward after its forward
         return False
-    if not all(w >= i for i, w in zip(pos_i, pos_w)):  # noqa: B905 - both -1 when absent
+    if not all(map(ge, pos_w, pos_i)):  # each W after its I (both -1 when absent)
         return False
     for s in range(1, len(place)):
         if place[s - 1] == place[s]:
             lo, hi = slice((s - 1) * m, s * m), slice(s * m, (s + 1) * m)
-            if not all(x < y for x, y in zip(pos_f[lo], pos_f[hi])):  # noqa: B905
+            if not all(map(lt, pos_f[lo], pos_f[hi])):
                 return False
-            if training and not all(x > y for x, y in zip(bwd[lo], bwd[hi])):  # noqa: B905
+            if training and not all(map(gt, bwd[lo], bwd[hi])):
                 return False
     return True
 
