@@ -1,0 +1,231 @@
+"""meshpipe.plan against the obvious default and a measured grid, on CPU ranks.
+
+For each model with uneven costs (a big embedding + LM head on a cheap trunk; a few heavy
+layers among light ones; a model that needs a memory cap no single process meets), plan
+for N processes, then measure in one spawn of N ranks (1 thread each) the step time of:
+the plan, its runners-up, the obvious default (an even split by layer count, 1f1b,
+microbatches = 2 x pp) and a small grid (1f1b / gpipe / zbh1 x 2, 4, 8 microbatches on the
+even split, and pure data parallelism). Reports measured/default, measured/best of all,
+predicted/measured, and, under a cap, the measured peak bytes (``pipe.memory_stats()``)
+against the cap and the prediction.
+
+    .venv/bin/python benchmarks/bench_plan.py [--world 2] [--steps 12] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import meshpipe
+from meshpipe.plan import Plan
+from meshpipe.testing import run_on_ranks
+
+
+class LM(nn.Module):
+    """Embedding (vocab x width), a trunk of cheap blocks, an LM head (width x vocab)."""
+
+    def __init__(self, vocab: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def uneven(width: int, depth: int, heavy: tuple[int, ...], hidden: int) -> nn.Sequential:
+    """Light Linear+ReLU blocks, with MLPs ``hidden`` wide at the positions ``heavy``."""
+    blocks: list[nn.Module] = []
+    for i in range(depth):
+        if i in heavy:
+            blocks.append(
+                nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width))
+            )
+        else:
+            blocks.append(nn.Sequential(nn.Linear(width, width), nn.ReLU()))
+    return nn.Sequential(*blocks)
+
+
+def model_case(name: str) -> tuple[nn.Module, tuple[Any, ...], Any, Any]:
+    torch.manual_seed(0)
+    if name == "lm":  # big embedding and head, cheap trunk
+        x = torch.randint(0, 8000, (32, 16))
+        return LM(8000, 64, 8), (x,), torch.randint(0, 8000, (32, 16)), lm_loss
+    if name == "heavy":  # two heavy layers among light ones, both early
+        x = torch.randn(64, 128)
+        return uneven(128, 12, (1, 2), 2048), (x,), torch.randn(64, 128), mse
+    if name == "capped":  # the LM again, under a cap no single process meets
+        x = torch.randint(0, 16000, (32, 16))
+        return LM(16000, 64, 8), (x,), torch.randint(0, 16000, (32, 16)), lm_loss
+    raise ValueError(name)
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    from meshpipe.split.points import trunk_blocks
+
+    return trunk_blocks(model)
+
+
+def default_plan(plan: Plan, model: nn.Module, pp: int, schedule: str, mb: int) -> dict[str, Any]:
+    """An even split of the trunk by layer count as a plan dict (no predictions)."""
+    blocks = _blocks(model)
+    start = 1 if isinstance(model, nn.Sequential) else 0
+    n = len(blocks) - start
+    points = [blocks[start + round(n * k / pp)] for k in range(1, pp)] if pp > 1 else []
+    if isinstance(model, nn.Sequential):
+        points = [blocks[round(len(blocks) * k / pp)] for k in range(1, pp)]
+    d = plan.without_runners_up().to_dict()
+    world = plan.world_size
+    d.update(
+        pp=pp, dp=world // pp, tp=1, schedule=schedule, stages_per_rank=1, num_microbatches=mb,
+        split_points=points, activation_checkpointing=[False] * pp, stage_meshes=None,
+        dp_mode="ddp" if world // pp > 1 else None, memory=[0] * pp, step_time=0.0,
+        stage_costs=[],
+    )  # fmt: skip
+    return d
+
+
+def _measure(case: str, configs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """On every rank: each config's median step time (steps interleaved over rounds, so
+    that load from elsewhere falls on every config alike) and this process's memory."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    base, args, target, loss_fn = model_case(case)
+    pipes = []
+    for cfg in configs:
+        pipe = meshpipe.Pipeline.from_plan(
+            cfg, copy.deepcopy(base), loss_fn=loss_fn, example_args=args
+        )
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+        pipe.step(*args, target=target)
+        opt.step()  # optimizer state exists from here on
+        pipe.zero_grad(set_to_none=False)
+        pipes.append((pipe, opt))
+    times: list[list[float]] = [[] for _ in configs]
+    for _ in range(steps):
+        for k, (pipe, _opt) in enumerate(pipes):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(*args, target=target)
+            times[k].append(time.perf_counter() - t0)
+            pipe.zero_grad(set_to_none=False)
+    out = []
+    for k, (pipe, opt) in enumerate(pipes):
+        pipe.track_memory()  # one more step, measured (the ledger costs a little time)
+        pipe.step(*args, target=target)
+        stats = pipe.memory_stats(optimizer=opt)
+        out.append({"time": statistics.median(times[k]), "peak": stats["peak"]})
+    return out
+
+
+def _label(d: dict[str, Any]) -> str:
+    if d.get("stage_meshes"):
+        layout = "meshes " + ",".join(str(m.get("dp", 1)) for m in d["stage_meshes"])
+    else:
+        layout = f"pp{d['pp']}xdp{d['dp']}"
+    ac = "".join("x" if c else "." for c in d["activation_checkpointing"])
+    return (
+        f"{layout} {d['schedule']} mb{d['num_microbatches']} [{','.join(d['split_points'])}] {ac}"
+    )
+
+
+def run_case(case: str, world: int, steps: int, cap_share: float | None) -> dict[str, Any]:
+    torch.set_num_threads(1)  # the profile runs as each rank will: one thread
+    model, args, target, loss_fn = model_case(case)
+    cap = None
+    if cap_share is not None:
+        static = sum(4 * 4 * p.numel() for p in model.parameters())  # params, grads, AdamW
+        cap = int(static * cap_share)
+    t0 = time.perf_counter()
+    plan = meshpipe.plan(model, args, target, loss_fn, world_size=world, memory_per_rank=cap)
+    planning = time.perf_counter() - t0
+    print(plan, flush=True)
+    pp = world
+    configs: list[dict[str, Any]] = [plan.without_runners_up().to_dict()]
+    configs += [p.to_dict() for p in plan.runners_up if p.fits][:3]
+    default = default_plan(plan, model, pp, "1f1b", 2 * pp)
+    configs.append(default)
+    for name in ("1f1b", "gpipe", "zbh1"):
+        for mb in (2, 4, 8):
+            if (name, mb) != ("1f1b", 2 * pp):
+                configs.append(default_plan(plan, model, pp, name, mb))
+    if cap is None:
+        for mb in (1, 2):
+            configs.append(default_plan(plan, model, 1, "1f1b", mb))
+    results = run_on_ranks(_measure, world, case, configs, steps, timeout=1800)
+    rows = []
+    for i, cfg in enumerate(configs):
+        time_s = max(r[i]["time"] for r in results)
+        peak = max(r[i]["peak"] for r in results)
+        rows.append({"config": _label(cfg), "time": time_s, "peak": peak,
+                     "predicted": cfg["step_time"] or None})  # fmt: skip
+    chosen = rows[0]
+    dflt = next(r for r, c in zip(rows, configs) if c is default)
+    best = min(rows, key=lambda r: r["time"])
+    summary = {
+        "case": case, "world": world, "cap": cap, "planning_s": planning,
+        "plan_vs_default": chosen["time"] / dflt["time"],
+        "plan_vs_best": chosen["time"] / best["time"],
+        "predicted_vs_measured": plan.step_time / chosen["time"],
+        "plan_peak_measured": chosen["peak"], "plan_peak_predicted": plan.peak_memory,
+        "rows": rows,
+    }  # fmt: skip
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--cases", default="lm,heavy,capped")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    out = []
+    for case in args.cases.split(","):
+        share = 0.75 if case == "capped" else None
+        s = run_case(case, args.world, args.steps, share)
+        out.append(s)
+        print(f"\n## {case}, {args.world} ranks" + (f", cap {s['cap']} B" if s["cap"] else ""))
+        print("| config | measured ms | predicted ms | peak bytes |")
+        print("| --- | ---: | ---: | ---: |")
+        for r in s["rows"]:
+            pred = "" if r["predicted"] is None else f"{r['predicted'] * 1e3:.1f}"
+            print(f"| {r['config']} | {r['time'] * 1e3:.1f} | {pred} | {r['peak']} |")
+        print(
+            f"plan/default {s['plan_vs_default']:.2f}, plan/best {s['plan_vs_best']:.2f}, "
+            f"predicted/measured {s['predicted_vs_measured']:.2f}, planning {s['planning_s']:.1f} s"
+            + (f", peak {s['plan_peak_measured']} B measured vs {s['plan_peak_predicted']} "
+               f"predicted, cap {s['cap']}" if s["cap"] else "")  # fmt: skip
+        , flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
