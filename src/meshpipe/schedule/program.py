@@ -57,7 +57,7 @@ Program = tuple[tuple[Group, ...], ...]  # per rank: groups in posting order
 
 @dataclass(frozen=True, slots=True)
 class IntProgram:
-    """The p2p program as ints (see :mod:`meshpipe.schedule.unit` for codes and pair
+    """The p2p program as ints (see :mod:`meshpipe.schedule.unit` for ends and pair
     codes). Per rank, per operation in posting order: ``ops``, packed (see
     :class:`~meshpipe.schedule.unit.Packing`), their ``pair_codes`` and ``peers``; per
     group, the ``positions`` of the actions they are posted before, and ``bounds``: the
@@ -72,9 +72,9 @@ class IntProgram:
     positions: tuple[list[int], ...]
     bounds: tuple[list[int], ...]
 
-    def codes(self, rank: int) -> list[int]:
-        """``rank``'s message codes, per operation in posting order."""
-        return list(map(and_, self.ops[rank], repeat(self.pack.code_mask)))
+    def ends(self, rank: int) -> list[int]:
+        """``rank``'s operations' ends, in posting order."""
+        return list(map(and_, self.ops[rank], repeat(self.pack.end_mask)))
 
 
 def int_program(schedule: Schedule) -> IntProgram:
@@ -111,7 +111,7 @@ def _finish(
     its packed operations (see :data:`~meshpipe.schedule.unit.Placed`), sorting them."""
     ops.sort()
     at = list(map(rshift, ops, repeat(pack.group_shift)))  # per operation: its group position
-    shifted = map(rshift, ops, repeat(pack.code_bits))
+    shifted = map(rshift, ops, repeat(pack.end_bits))
     pair_codes = list(map(and_, shifted, repeat(pack.pair_mask)))
     peers = list(map(peer_of.__getitem__, pair_codes))
     # a group starts at the first operation and wherever the position changes
@@ -127,7 +127,7 @@ def _placed_by_replay(schedule: Schedule) -> Placed:
     schedules it refuses that the replay runs (it raises on the others)."""
     p, w = schedule.num_ranks, wiring(schedule)
     pack = packing(schedule)
-    group, low, bits = pack.group_shift, pack.low_bits, pack.code_bits
+    group, low, bits = pack.group_shift, pack.low_bits, pack.end_bits
     rows = replay(schedule, lambda _a: 1.0)
     keys = [[int(e.start) * p + rank for e in row] for rank, row in enumerate(rows)]
     born = [0] * (2 * schedule.num_stages * schedule.num_microbatches)  # producers' keys
@@ -141,13 +141,13 @@ def _placed_by_replay(schedule: Schedule) -> Placed:
         for i in range(len(mine)):
             peer = w.send_peer[rank][i]
             if peer >= 0:
-                pair_code = 2 * (rank * p + peer) + 1
-                ops.append((i + 1 << group) + (pair_code << bits) + w.send_code[rank][i])
+                pair_code, end = 2 * (rank * p + peer) + 1, 2 * w.send_code[rank][i] + 1
+                ops.append((i + 1 << group) + (pair_code << bits) + end)
             peer = w.recv_peer[rank][i]
             if peer >= 0:
                 code, pair_code = w.recv_code[rank][i], 2 * (peer * p + rank)
                 j = bisect_right(mine, born[code], 0, i)
-                ops.append((j << group) + (1 + i << low) + (pair_code << bits) + code)
+                ops.append((j << group) + (1 + i << low) + (pair_code << bits) + 2 * code)
         placed.append(ops)
     return placed
 
@@ -156,12 +156,12 @@ _KIND = ("act", "grad")
 _new_tuple = tuple.__new__  # builds a named tuple from an iterable, in C
 
 
-def _transfer_table(schedule: Schedule, ranks: Iterable[int]) -> list[Transfer | None]:
-    """Per message code, its Transfer (one object for both ends of a message), for every
-    message that crosses between two ranks with one end on ``ranks``; None elsewhere."""
+def _p2p_table(schedule: Schedule, ranks: Iterable[int]) -> list[P2P | None]:
+    """Per operation's end, its P2P value (both ends of a message share one Transfer), for
+    every message between two ranks with one end on ``ranks``; None elsewhere."""
     place, m = schedule.placement, schedule.num_microbatches
     mine = set(ranks)
-    table: list[Transfer | None] = [None] * (2 * len(place) * m)
+    table: list[P2P | None] = [None] * (4 * len(place) * m)
     for src in range(len(place)):
         for grad, dst in ((0, src + 1), (1, src - 1)):
             if not 0 <= dst < len(place) or place[src] == place[dst]:
@@ -169,25 +169,22 @@ def _transfer_table(schedule: Schedule, ranks: Iterable[int]) -> list[Transfer |
             if place[src] not in mine and place[dst] not in mine:
                 continue
             fields = zip(repeat(_KIND[grad], m), repeat(src, m), repeat(dst, m), range(m))
-            table[2 * src * m + grad : 2 * (src + 1) * m : 2] = map(
-                _new_tuple, repeat(Transfer), fields
-            )
+            transfers = list(map(_new_tuple, repeat(Transfer), fields))
+            # end = 2 * code + is_send, code = 2 * (src * m + mb) + grad
+            first, stop = 4 * src * m + 2 * grad, 4 * (src + 1) * m
+            sends = zip(repeat("send", m), repeat(place[dst], m), transfers)
+            recvs = zip(repeat("recv", m), repeat(place[src], m), transfers)
+            table[first + 1 : stop : 4] = map(_new_tuple, repeat(P2P), sends)
+            table[first:stop:4] = map(_new_tuple, repeat(P2P), recvs)
     return table
 
 
-def _rank_groups(
-    prog: IntProgram, rank: int, table: list[Transfer | None], sides: list[str]
-) -> tuple[Group, ...]:
-    """``rank``'s groups of P2P values, the Transfers taken from ``table``, each operation's
-    "send" or "recv" from ``sides`` (by pair code)."""
+def _rank_groups(prog: IntProgram, rank: int, table: list[P2P | None]) -> tuple[Group, ...]:
+    """``rank``'s groups of P2P values, taken from ``table`` (see :func:`_p2p_table`)."""
     bounds = prog.bounds[rank]
-    fields = zip(
-        map(sides.__getitem__, prog.pair_codes[rank]),
-        prog.peers[rank],
-        map(table.__getitem__, prog.codes(rank)),
-    )
-    ops: tuple[P2P, ...] = tuple(map(_new_tuple, repeat(P2P), fields))
-    return tuple(map(ops.__getitem__, map(slice, bounds, islice(bounds, 1, None))))
+    ops = tuple(map(table.__getitem__, prog.ends(rank)))
+    groups = map(ops.__getitem__, map(slice, bounds, islice(bounds, 1, None)))
+    return tuple(groups)  # type: ignore[arg-type] # every end of the program is in table
 
 
 def _materialise(schedule: Schedule, ranks: Sequence[int]) -> list[tuple[Group, ...]]:
@@ -195,13 +192,12 @@ def _materialise(schedule: Schedule, ranks: Sequence[int]) -> list[tuple[Group, 
     cyclic collector is paused meanwhile: it would otherwise walk the whole heap several
     times over while they pile up (most of the time, on a large schedule)."""
     prog = int_program(schedule)
-    sides = ["send" if c & 1 else "recv" for c in range(2 * prog.num_ranks**2)]
     paused = gc.isenabled()
     if paused:
         gc.disable()
     try:
-        table = _transfer_table(schedule, ranks)
-        return [_rank_groups(prog, rank, table, sides) for rank in ranks]
+        table = _p2p_table(schedule, ranks)
+        return [_rank_groups(prog, rank, table) for rank in ranks]
     finally:
         if paused:
             gc.enable()

@@ -103,11 +103,12 @@ def _flat_of(prog: IntProgram) -> Flat:
     """The flat form of a program given as ints (what flatten_program gives of its P2P form)."""
     p = prog.num_ranks
     firsts: list[list[int]] = [[] for _ in range(2 * p * p)]
+    put = [f.append for f in firsts]
     for pair_codes, bounds in zip(prog.pair_codes, prog.bounds, strict=True):
         # per operation: the index of its group's first operation
         starts = chain.from_iterable(map(repeat, bounds, map(sub, bounds[1:], bounds)))
         for c, start in zip(pair_codes, starts):  # noqa: B905 - one start per operation
-            firsts[c].append(start)
+            put[c](start)
     return _resolve(p, list(prog.pair_codes), firsts, list(prog.peers))
 
 
@@ -137,14 +138,14 @@ def _play(flat: Flat) -> list[int]:
     while ready:
         r = ready.pop()
         peers, needs = peer[r], need[r]
-        j, n = at[r], len(peers)
-        while j < n:
-            q = peers[j]
-            if at[q] < needs[j]:
+        n = len(peers)
+        for j in range(at[r], n):  # noqa: B007 - where it stops is the result
+            if at[peers[j]] < needs[j]:
                 wants[r] = needs[j]
-                waiters[q].append(r)
+                waiters[peers[j]].append(r)
                 break
-            j += 1
+        else:
+            j = n
         at[r] = j
         if waiters[r]:
             still: list[int] = []

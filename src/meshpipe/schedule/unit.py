@@ -8,9 +8,10 @@ places each operation of the program (:mod:`meshpipe.schedule.program`): a send 
 group after the action producing it, a receive in the group before the receiver's first
 action keyed above the producer (at the latest, before the action consuming it).
 
-Everything here is ints: a message is named by its *code*, ``2 * (src_stage *
-num_microbatches + mb)`` plus 1 for a gradient (the same at both ends), a pair of ranks by
-``src * num_ranks + dst``, an operation by its *pair code* ``2 * pair`` plus 1 for a send.
+Everything here is ints. A message is named by its *code*, ``2 * (src_stage *
+num_microbatches + mb)`` plus 1 for a gradient (as :class:`~meshpipe.schedule.comm.Wiring`),
+an operation by its *end*, ``2 * code`` plus 1 for the send; a pair of ranks is ``src *
+num_ranks + dst``, and an operation's *pair code* ``2 * pair`` plus 1 for a send.
 Imports no torch.
 """
 
@@ -27,62 +28,58 @@ __all__ = ["Link", "Packing", "Placed", "links", "packing", "unit_program"]
 # :class:`Packing`) so that, sorted, they are in posting order.
 Placed = list[list[int]]
 
-Link = tuple[int, int, int, int, int, int, int]  # see links()
+# Per stage and direction (see links()): the pairs received and sent on, the ends of the
+# receive and of the send at mb 0, both operations packed at mb 0, the start delay.
+Link = tuple[int, int, int, int, int, int, int]
 
 
 class Packing(NamedTuple):
     """How an operation is packed in one int, from the high bits down: the position of its
-    group; 0 for a send, 1 + the consumer's position for a receive; its pair code; its
-    message code. Fields are read with shifts and masks."""
+    group; 0 for a send, 1 + the consumer's position for a receive; its pair code; its end.
+    Fields are read with shifts and masks."""
 
-    code_bits: int  # the message code: the low code_bits bits
-    low_bits: int  # the pair code: above code_bits, below low_bits
+    end_bits: int  # the end: the low end_bits bits
+    low_bits: int  # the pair code: above end_bits, below low_bits
     group_shift: int  # the group position: from group_shift up
 
     @property
-    def code_mask(self) -> int:
-        return (1 << self.code_bits) - 1
+    def end_mask(self) -> int:
+        return (1 << self.end_bits) - 1
 
     @property
     def pair_mask(self) -> int:
-        return (1 << (self.low_bits - self.code_bits)) - 1
+        return (1 << (self.low_bits - self.end_bits)) - 1
 
 
 def packing(schedule: Schedule) -> Packing:
     """The :class:`Packing` of ``schedule``'s operations."""
-    code_bits = (2 * schedule.num_stages * schedule.num_microbatches).bit_length()
-    low_bits = code_bits + (2 * schedule.num_ranks**2).bit_length()
+    end_bits = (4 * schedule.num_stages * schedule.num_microbatches).bit_length()
+    low_bits = end_bits + (2 * schedule.num_ranks**2).bit_length()
     longest = max(len(row) for row in schedule.actions)
-    return Packing(code_bits, low_bits, low_bits + (longest + 2).bit_length())
+    return Packing(end_bits, low_bits, low_bits + (longest + 2).bit_length())
 
 
 def links(schedule: Schedule) -> tuple[list[Link], list[Link]]:
     """Per stage, for its F and for its B/I: the pair it receives on and the pair it sends
-    on (-1: no message, or a neighbour on the same rank); the codes of those messages at
-    mb 0 (a message of mb k has code + 2 k); the two operations' pair and message codes
-    packed (see :class:`Packing`), at mb 0; and what to add to the key of the action
-    producing its input for the earliest key it can start at."""
-    place, p, m2 = schedule.placement, schedule.num_ranks, 2 * schedule.num_microbatches
+    on (-1: no message, or a neighbour on the same rank); the end of that receive and of
+    that send at mb 0 (at mb k: + 4 k); both operations packed without their sort key
+    (see :class:`Packing`) at mb 0; and what to add to the key of the action producing its
+    input for the earliest key it can start at."""
+    place, p, m4 = schedule.placement, schedule.num_ranks, 4 * schedule.num_microbatches
     last = len(place) - 1
-    bits = packing(schedule).code_bits
+    bits = packing(schedule).end_bits
 
-    def link(src: int, me: int, dst: int, code_in: int, code_out: int) -> Link:
+    def link(src: int, me: int, dst: int, end_in: int, end_out: int) -> Link:
         i = place[src] * p + place[me] if 0 <= src <= last and place[src] != place[me] else -1
         o = place[me] * p + place[dst] if 0 <= dst <= last and place[dst] != place[me] else -1
         delay = p + place[me] - place[src] if i >= 0 else 0  # one unit, rank to rank
-        return (
-            i,
-            o,
-            code_in,
-            code_out,
-            (2 * i << bits) + code_in,
-            (2 * o + 1 << bits) + code_out,
-            delay,
-        )
+        pay_in, pay_out = (2 * i << bits) + end_in, (2 * o + 1 << bits) + end_out
+        return i, o, end_in, end_out, pay_in, pay_out, delay
 
     stages = range(last + 1)
-    fwd = [link(s - 1, s, s + 1, (s - 1) * m2, s * m2) for s in stages]
-    bwd = [link(s + 1, s, s - 1, (s + 1) * m2 + 1, s * m2 + 1) for s in stages]
+    # ends: 2 * code (+ 1 for the send), code = 2 * (src_stage * m + mb) (+ 1 for a gradient)
+    fwd = [link(s - 1, s, s + 1, (s - 1) * m4, s * m4 + 1) for s in stages]
+    bwd = [link(s + 1, s, s - 1, (s + 1) * m4 + 2, s * m4 + 3) for s in stages]
     return fwd, bwd
 
 
@@ -103,7 +100,7 @@ def unit_program(schedule: Schedule) -> Placed | None:
     group, low = pack.group_shift, pack.low_bits
     last = [-1] * (p * p)  # per pair: the producer key of the last message received
     waiting = [-1] * (p * p)  # the rank blocked on a pair, or -1
-    born = [-1] * (2 * schedule.num_stages * schedule.num_microbatches)  # producers' keys
+    born = [-1] * (4 * schedule.num_stages * schedule.num_microbatches)  # by receive end
     keys: list[list[int]] = [[] for _ in range(p)]
     placed: Placed = [[] for _ in range(p)]
     clock = list(range(p))  # per rank: the key of its next action
@@ -113,22 +110,19 @@ def unit_program(schedule: Schedule) -> Placed | None:
         rank = ready.pop()
         row, mine, t, put = rows[rank], keys[rank], clock[rank], placed[rank].append
         put_key = mine.append
-        i, n = len(mine), len(row)
-        while i < n:
+        for i in range(len(mine), len(row)):
             a = row[i]
             op = a.op
             if op is op_w:
                 put_key(t)
                 t += p
-                i += 1
                 continue
-            pin, pout, cin, cout, pay_in, pay_out, delay = (
+            pin, pout, end_in, end_out, pay_in, pay_out, delay = (
                 fwd[a.stage] if op is op_f else bwd[a.stage]
             )
-            mb2 = a.mb << 1
+            mb4 = a.mb << 2
             if pin >= 0:
-                code = cin + mb2
-                b = born[code]
+                b = born[end_in + mb4]
                 if b < 0:
                     waiting[pin] = rank
                     break
@@ -136,22 +130,21 @@ def unit_program(schedule: Schedule) -> Placed | None:
                     return None
                 last[pin] = b
                 # before the first action here keyed above the producer, at the latest now
-                put((bisect_right(mine, b) << group) + (1 + i << low) + pay_in + mb2)
+                put((bisect_right(mine, b) << group) + (1 + i << low) + pay_in + mb4)
                 b += delay
                 if b > t:
                     t = b
             put_key(t)
             if pout >= 0:
-                code = cout + mb2
-                if born[code] >= 0:
+                end = end_out + mb4 - 1  # its receive's end
+                if born[end] >= 0:
                     return None
-                born[code] = t
-                put((i + 1 << group) + pay_out + mb2)
+                born[end] = t
+                put((i + 1 << group) + pay_out + mb4)
                 if waiting[pout] >= 0:
                     ready.append(waiting[pout])
                     waiting[pout] = -1
             t += p
-            i += 1
         clock[rank] = t
     if any(len(mine) != len(row) for mine, row in zip(keys, rows, strict=True)):
         return None
