@@ -1,5 +1,5 @@
 """What the cross-rank call check costs: step time with check_inputs "off", "shapes" and
-"values" (the default: input values compared by fingerprints, runtime/values.py), and the
+"values" (the default: input values compared by fingerprints, runtime/checks/values.py), and the
 GPU's way of comparing values (gathered on the data group, read by the next call) forced on
 CPU, on 2 CPU ranks, one thread each, the same model and batch for every mode, in one run.
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import mlp_block  # noqa: E402 - the benchmarks folder is not a package
 
 import meshpipe  # noqa: E402
-from meshpipe.runtime.agree import CallCheck  # noqa: E402
+from meshpipe.runtime.checks.agree import CallCheck  # noqa: E402
 from meshpipe.testing import run_on_ranks  # noqa: E402
 
 # label -> (check_inputs, MESHPIPE_VALUES_ON_DEVICE)

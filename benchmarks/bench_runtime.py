@@ -43,7 +43,7 @@ from hand_1f1b import hand_1f1b  # noqa: E402
 from runtime_report import render, summarize  # noqa: E402
 
 import meshpipe  # noqa: E402
-from meshpipe.runtime.backward import backward_full, backward_input  # noqa: E402
+from meshpipe.runtime.step.backward import backward_full, backward_input  # noqa: E402
 from meshpipe.testing import run_on_ranks  # noqa: E402
 
 # meshpipe name, stages per rank, torch.distributed.pipelining class

@@ -225,7 +225,7 @@ def deadlock_control(mesh: Any, num_stages: int, num_microbatches: int, rows: in
     so run it last in a spawn."""
     import os
 
-    import meshpipe.runtime.pipeline as pl
+    import meshpipe.runtime.pipeline.pipeline as pl
 
     original = pl.program_positions
     pl.program_positions = late_program  # type: ignore[assignment]
@@ -268,7 +268,7 @@ def host_reads(mesh: Any, name: str, **options: Any) -> list[str]:
                 # the ctrl reader thread reads CPU-side messages: never a device wait
                 return originals[method](self, *a, **k)
             frames = [f for f in traceback.extract_stack()[:-1] if "meshpipe" in f.filename]
-            if frames and frames[-1].filename.endswith("runtime/closing.py"):
+            if frames and frames[-1].filename.endswith("runtime/failures/closing.py"):
                 # the closing flag is read on CPU meshes only (closing.reads_closing is
                 # False on CUDA; test_waits checks that)
                 return originals[method](self, *a, **k)

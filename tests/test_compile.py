@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import meshpipe
-from meshpipe.runtime.stage import StageRunner
+from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.testing import run_on_ranks
 
 from parity import D, blocks, check_case, grad_diff, mse, refusal
@@ -118,8 +118,8 @@ def test_a_backend_without_the_split_runs_the_weight_work_in_i(results: Any) -> 
 def test_inductor_halves_give_the_eager_gradients() -> None:
     """In one process: a stage compiled by inductor; its I sets no weight gradient, its W
     sets them all, to the eager values."""
-    from meshpipe.runtime.backward import backward_input
-    from meshpipe.runtime.compiling import compile_stage
+    from meshpipe.runtime.step.backward import backward_input
+    from meshpipe.runtime.step.compiling import compile_stage
 
     torch.manual_seed(0)
     net = blocks(3)

@@ -47,7 +47,7 @@ def test_torch_older_than_tested_is_warned_about_once() -> None:
 
     import pytest
 
-    from meshpipe.runtime.compat import TESTED_TORCH, check_torch_version
+    from meshpipe.runtime.mesh.compat import TESTED_TORCH, check_torch_version
 
     assert TESTED_TORCH[0] == (2, 11)
     with pytest.warns(RuntimeWarning, match=r"tested on torch 2\.11 .*this is torch 2\.6\.0"):

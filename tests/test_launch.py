@@ -129,7 +129,8 @@ def test_hang_is_diagnosed_within_the_timeout(tmp_path: Path) -> None:
     assert proc.returncode != 0, proc.stdout + proc.stderr
     picture = proc.stderr[proc.stderr.index("what each rank was doing:") :]
     cause, *lines = picture.splitlines()[1:4]
-    # the frozen rank, named by the one whose wait ran out (runtime/culprit.py), comes first
+    # the frozen rank, named by the one whose wait ran out (runtime/failures/culprit.py), comes
+    # first
     assert cause.startswith(
         "root cause: global rank 1 (pp=1) is stuck: global rank 0 (pp=0) waited 6.0s for it"
     ), picture

@@ -150,7 +150,7 @@ def test_a_frozen_rank_is_ended_soon_after_the_timeout(tmp_path: Path) -> None:
     assert raised - frozen < 3 * 3.0, proc.stderr
     assert ended - raised < KILL_AFTER_S, proc.stderr
     picture = proc.stderr[proc.stderr.index("what each rank was doing:") :].splitlines()[1:]
-    # named by rank 0, whose wait for it ran out (runtime/culprit.py): first in the picture
+    # named by rank 0, whose wait for it ran out (runtime/failures/culprit.py): first in the picture
     assert picture[0].startswith(
         "root cause: global rank 1 (pp=1) is stuck: global rank 0 (pp=0) waited 3.0s for it"
     ), picture

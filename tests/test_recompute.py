@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import meshpipe
-from meshpipe.runtime.stage import StageRunner
+from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.testing import run_on_ranks
 from split_models import Stack
 
@@ -63,8 +63,8 @@ class _LedgerBox:
 def _peak_saved(mesh: Any, name: str, policy: Any) -> float:
     """The peak bytes of saved activations of one step (after a warm step), on this rank:
     tensors F saves (boxed here, alive until their graph is freed), and those the
-    runtime's replay boxes (runtime/slim.py), until freed or released after I."""
-    from meshpipe.runtime import slim
+    runtime's replay boxes (runtime/step/slim.py), until freed or released after I."""
+    from meshpipe.runtime.step import slim
 
     ledger = _Ledger()
     released: dict[int, int] = {}

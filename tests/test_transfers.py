@@ -44,7 +44,7 @@ class DataDependent(nn.Module):
 
 
 def _ahead_breaks_program(posted: list[Any], program: list[Any]) -> str:
-    """What breaks the rule for receives posted ahead (runtime/lookahead.py), or "": sends
+    """What breaks the rule for receives posted ahead (runtime/transfer/lookahead.py), or "": sends
     posted in the program's order and groups, receives of each peer in the program's order,
     each one posted before any send of a later group."""
     flat = [op for call in posted for op in call]
@@ -292,7 +292,7 @@ def test_ahead_rule_check_can_fail() -> None:
 
 
 def test_recv_ahead_takes_a_per_peer_prefix_within_its_budget() -> None:
-    from meshpipe.runtime.lookahead import RecvAhead
+    from meshpipe.runtime.transfer.lookahead import RecvAhead
     from meshpipe.schedule.comm import Transfer
     from meshpipe.schedule.program import P2P
 

@@ -1,7 +1,7 @@
-"""The CUDA watchdog (runtime/waits.py) on its own: it bounds works the host does not wait
+"""The CUDA watchdog (runtime/failures/waits.py) on its own: it bounds works the host does not wait
 for. On CPU nothing else drives it (gloo waits on the host), so its rules are checked here
 with works whose completion the test controls; the GPU tests run it for real. And the
-closing flag's rule (runtime/closing.py): read on CPU meshes only."""
+closing flag's rule (runtime/failures/closing.py): read on CPU meshes only."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from meshpipe.errors import CommTimeoutError
-from meshpipe.runtime.closing import failed_elsewhere, reads_closing
-from meshpipe.runtime.waits import Watchdog
+from meshpipe.runtime.failures.closing import failed_elsewhere, reads_closing
+from meshpipe.runtime.failures.waits import Watchdog
 
 
 class _Work:

@@ -35,10 +35,10 @@ _LAZY: dict[str, str] = {
     "CommTimeoutError": "meshpipe.errors",
     "RemoteStageError": "meshpipe.errors",
     # runtime (torch)
-    "init_mesh": "meshpipe.runtime.topology",
-    "init_stage_meshes": "meshpipe.runtime.stage_meshes",
-    "Pipeline": "meshpipe.runtime.pipeline",
-    "REPLICATE": "meshpipe.runtime.microbatch",
+    "init_mesh": "meshpipe.runtime.mesh.topology",
+    "init_stage_meshes": "meshpipe.runtime.mesh.stage_meshes",
+    "Pipeline": "meshpipe.runtime.pipeline.pipeline",
+    "REPLICATE": "meshpipe.runtime.step.microbatch",
 }
 # submodules named in __all__; runtime, cli and testing also load on attribute access
 # (meshpipe.testing.run_on_ranks is public) but are not names to star-import. ``split`` is

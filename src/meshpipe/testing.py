@@ -22,7 +22,7 @@ __all__ = ["run_on_ranks", "RankFailure", "free_port", "share_gpu"]
 PRELOAD = (
     "torch",
     "torch.distributed",
-    "meshpipe.runtime.pipeline",
+    "meshpipe.runtime.pipeline.pipeline",
     "meshpipe.parallel",
     "meshpipe.checkpoint",
 )

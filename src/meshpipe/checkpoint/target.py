@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.checkpoint.errors import CheckpointError
-from meshpipe.runtime.pipeline import Pipeline
+from meshpipe.runtime.pipeline.pipeline import Pipeline
 
 __all__ = ["Target", "as_target"]
 

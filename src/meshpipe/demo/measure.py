@@ -102,7 +102,7 @@ def record_cost(num_actions: int = 32, repeats: int = 300) -> float:
     keeps the best of three rounds after a warm-up (the first round pays for page faults).
     ``actions x record_cost()`` over the step time is the cost of leaving the timeline on.
     """
-    from meshpipe.runtime.executor import ActionRecord  # the real record type
+    from meshpipe.runtime.step.executor import ActionRecord  # the real record type
 
     action = Action(Op.F, 0, 0)
     clock = time.perf_counter

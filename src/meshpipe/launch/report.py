@@ -180,7 +180,7 @@ def _unreported(rank: int, code: int | None, stopped: bool) -> str:
 
 def culprit_of(reports: Mapping[int, RankReport]) -> Mapping[str, Any] | None:
     """The culprit the failed processes named (``status["culprit"]``, claimed in the job's
-    store by the first process that knew it: runtime/culprit.py), or None."""
+    store by the first process that knew it: runtime/failures/culprit.py), or None."""
     claims = [
         c
         for rep in reports.values()

@@ -212,7 +212,7 @@ def first_failure(
     reports: Mapping[int, RankReport],
 ) -> int | None:
     """The global rank that failed first: the culprit the failed processes named in their
-    reports when it raised (runtime/culprit.py; one they found stuck did not fail, and the
+    reports when it raised (runtime/failures/culprit.py; one they found stuck did not fail, and the
     launcher stopped it: the picture names it, see format_picture), else the earliest to
     end with a non-zero status before the supervisor signalled it (``exit_codes`` fill in
     statuses it could not read); the process that ends first is often not the one that

@@ -66,7 +66,7 @@ def _global_rank() -> int:
 
 
 def _is_pipeline(obj: object) -> bool:
-    mod = sys.modules.get("meshpipe.runtime.pipeline")
+    mod = sys.modules.get("meshpipe.runtime.pipeline.pipeline")
     cls = getattr(mod, "Pipeline", None)
     return cls is not None and isinstance(obj, cls)
 

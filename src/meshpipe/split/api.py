@@ -84,7 +84,7 @@ def split(
 def call_stage(
     stage: nn.Module, index: int, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """Call one stage as the pipeline does (see runtime/stage.py's calling convention)."""
+    """Call one stage as the pipeline does (see runtime/step/stage.py's calling convention)."""
     if getattr(stage, "meshpipe_model_inputs", False):
         return stage(value, args, kwargs)
     if index == 0:

@@ -1,0 +1,367 @@
+"""Calls agree across pp ranks: a small fingerprint of every step, compared before any
+transfer, so ranks that were given different work stop together with a message naming the
+ranks and what differs, instead of computing a wrong number or waiting until a timeout.
+
+The fingerprint is a few short texts (schedule, microbatch count, mode, the structure,
+shapes and dtypes of inputs and target). Each rank sends one 8-byte digest per field over
+the CPU-side group (one small all-gather); only when digests differ do the ranks exchange
+the texts to say what differs. With ``check_inputs="values"`` (the default) the input
+values are compared too, without reading them on the host (runtime/checks/values.py): the
+fingerprint of the CPU leaves travels with the digests, that of the GPU leaves is gathered
+on the device and read by the next call; ``"first_values"`` compares values on the first
+call of each kind only.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshpipe.errors import CommTimeoutError, PipelineError
+from meshpipe.runtime.checks.values import DeviceGather, Gathered, fingerprint, verdict
+from meshpipe.runtime.failures.waits import wait_work
+from meshpipe.runtime.mesh.layout import Layout
+from meshpipe.runtime.step.pytree import flatten
+from meshpipe.schedule.ir import Schedule
+
+__all__ = [
+    "CHECKS",
+    "Agreement",
+    "CallCheck",
+    "check_locally",
+    "check_mode",
+    "describe_call",
+    "agree",
+    "schedule_digest",
+]
+
+CHECKS = ("shapes", "values", "first_values", "off")
+CPU = torch.device("cpu")
+
+
+Leaves = list[tuple[str, torch.Tensor]]  # (path, tensor) of every tensor leaf, in order
+
+
+def _describe(value: Any, path: str, out: list[str], values: Leaves) -> None:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        out.append(f"{path} of shape {tuple(value.shape)} ({dtype})")
+        values.append((path, value))
+    elif isinstance(value, (tuple, list)):
+        out.append(f"{path}: {type(value).__name__} of {len(value)}")
+        for i, v in enumerate(value):
+            _describe(v, f"{path}[{i}]", out, values)
+    elif isinstance(value, Mapping):
+        out.append(f"{path}: keys {sorted(map(str, value))}")
+        for k, v in value.items():
+            _describe(v, f"{path}[{k!r}]", out, values)
+    elif isinstance(value, (type(None), bool, int, float, str)):
+        out.append(f"{path} = {value!r}")
+    else:
+        out.append(f"{path}: {type(value).__qualname__}")
+
+
+def describe_call(
+    call: str,
+    schedule: Schedule,
+    schedule_digest: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    target: Any,
+    training: bool,
+) -> tuple[dict[str, str], Leaves]:
+    """The fields every pp rank must agree on for one call (``call``: "step", "forward"...),
+    and the tensor leaves of its inputs and target with their paths."""
+    parts: list[str] = []
+    tensors: Leaves = []
+    for i, a in enumerate(args):
+        _describe(a, f"argument {i}", parts, tensors)
+    for k, v in kwargs.items():
+        _describe(v, f"argument {k!r}", parts, tensors)
+    target_parts: list[str] = []
+    _describe(target, "target", target_parts, tensors)
+    fields = {
+        "call": call,
+        "schedule": f"{schedule.name} (actions {schedule_digest})",
+        "microbatches": str(schedule.num_microbatches),
+        "mode": ("train" if training else "eval")
+        + (", gradients on" if torch.is_grad_enabled() else ", gradients off"),
+        "inputs": "; ".join(parts),
+        "target": "; ".join(target_parts),
+    }
+    return fields, tensors
+
+
+def schedule_digest(schedule: Schedule) -> str:
+    return hashlib.blake2b(schedule.to_text().encode(), digest_size=6).hexdigest()
+
+
+class Agreement:
+    """An agreement started without waiting: the digests (and ``values``, a CPU int64
+    fingerprint, runtime/checks/values.py) are all-gathered in the background while the step
+    begins; :meth:`check` waits (bounded) and raises PipelineError, on every rank alike, if
+    the calls differ (``explain`` says how the gathered values differ, or None). The
+    runtime checks before its first transfer."""
+
+    def __init__(
+        self,
+        fields: dict[str, str],
+        group: dist.ProcessGroup,
+        size: int,
+        timeout: float,
+        rank: int,
+        values: torch.Tensor | None = None,
+        explain: Callable[[torch.Tensor], str | None] | None = None,
+    ) -> None:
+        self.fields = fields
+        self._group, self._size, self._timeout, self._rank = group, size, timeout, rank
+        self._explain = explain
+        self._work: Any = None
+        self._checked = size == 1
+        if self._checked:
+            return
+        names = sorted(fields)
+        digests = [
+            int.from_bytes(hashlib.blake2b(fields[n].encode(), digest_size=7).digest(), "big")
+            for n in names
+        ]
+        self._mine = torch.tensor([*digests, len(names)], dtype=torch.int64)
+        self._num_digests = len(self._mine)
+        if values is not None:
+            self._mine = torch.cat((self._mine, values))
+        self._every = [torch.empty_like(self._mine) for _ in range(size)]
+        self._work = dist.all_gather(self._every, self._mine, group=group, async_op=True)
+
+    def check(self) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        others = [r for r in range(self._size) if r != self._rank]
+        try:
+            name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
+            wait_work(self._work, self._timeout, "the call check", peer_name=name)
+        except CommTimeoutError as e:
+            raise CommTimeoutError(
+                f"rank {self._rank} waited {self._timeout:.1f}s for pp rank(s) {others} to start "
+                f"the same {self.fields.get('call', 'call')} (the call check, before any "
+                "transfer); a rank that does not come is stuck, gone, or running other code",
+                rank=self._rank,
+                action="call check",
+                peer=others[0] if len(others) == 1 else None,
+            ) from e
+        if all(torch.equal(t, self._every[0]) for t in self._every):
+            return
+        n = self._num_digests
+        if any(not torch.equal(t[:n], self._every[0][:n]) for t in self._every):
+            texts: list[Any] = [None] * self._size
+            dist.all_gather_object(texts, self.fields, group=self._group)
+            raise PipelineError(_difference(texts))
+        why = None if self._explain is None else self._explain(torch.stack(self._every)[:, n:])
+        raise PipelineError(why or "the pp ranks' input values differ")
+
+
+def agree(
+    fields: dict[str, str], group: dist.ProcessGroup, size: int, timeout: float, rank: int
+) -> None:
+    """Raise PipelineError on every rank of ``group`` unless all passed the same fields."""
+    Agreement(fields, group, size, timeout, rank).check()
+
+
+def _difference(texts: list[dict[str, str]]) -> str:
+    order = ["call", "microbatches", "schedule", "mode", "inputs", "target"]
+    keys = [k for k in order if any(k in t for t in texts)]
+    for key in keys:
+        seen = [t.get(key, "(not checked)") for t in texts]
+        if len(set(seen)) > 1:
+            ranks = ", ".join(f"rank {r} passed {v}" for r, v in enumerate(seen))
+            return (
+                f"the pp ranks were not given the same {key}: {ranks}. Every rank must make "
+                "the same call with the same schedule, microbatch count, and inputs of the "
+                "same structure and shapes"
+            )
+    return "the pp ranks' calls differ"
+
+
+def check_locally(args: tuple[Any, ...], target: Any, training: bool, has_loss: bool) -> None:
+    """The checks of a call that need no other rank (the same verdict everywhere, since
+    every rank makes the same call)."""
+    if training and (torch.is_inference_mode_enabled() or not torch.is_grad_enabled()):
+        raise PipelineError(
+            "step() was called under torch.no_grad() or torch.inference_mode(): it trains, "
+            "so it needs gradients; call it outside, or use forward() for inference"
+        )
+    if training and not has_loss:
+        raise PipelineError("step() needs a loss_fn: pass loss_fn= to Pipeline")
+    if target is not None:
+        leaves, _ = flatten(target)
+        if not leaves:
+            raise PipelineError(
+                f"target must be a tensor (or a pytree of tensors), got {type(target).__name__}"
+            )
+    if not args:
+        raise PipelineError("step()/forward() need at least one positional input")
+
+
+def check_mode(check_inputs: str | None, mesh: object = None) -> str:
+    """The call check a Pipeline runs: ``check_inputs``, by default "values" on every mesh
+    (a process given other rows of the same shapes, e.g. by a sampler over every process
+    instead of over the dp replicas, would otherwise train on them silently). The values
+    are compared without a host read (runtime/checks/values.py), so the default is the same on CPU
+    and CUDA, uniform meshes and stage meshes. ``mesh`` is not consulted any more."""
+    if check_inputs is None:
+        check_inputs = "values"
+    if check_inputs not in CHECKS:
+        raise PipelineError(f"check_inputs must be one of {CHECKS}, got {check_inputs!r}")
+    return check_inputs
+
+
+class CallCheck:
+    """A Pipeline's call check: its mode, the schedules' digests, and the group over which
+    the processes agree (every process of the pipeline, ``rank`` among ``size``; ``layout``
+    names them). Values (modes "values", "first_values") are compared by fingerprints
+    (runtime/checks/values.py): those of CPU leaves with the digests, at the gate; those of leaves
+    on a CUDA ``device`` on the device over ``data`` (the pipeline's data group, the same
+    processes), read by the next call, or at the gate by the first call of each kind.
+    ``MESHPIPE_VALUES_ON_DEVICE=1`` (a testing aid) takes that path for CPU leaves too."""
+
+    def __init__(
+        self,
+        mode: str,
+        group: dist.ProcessGroup,
+        size: int,
+        rank: int,
+        timeout: float,
+        layout: Layout | None = None,
+        data: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.mode = mode
+        self._group, self._size, self._rank, self._timeout = group, size, rank, timeout
+        self._layout = layout if layout is not None else Layout.uniform(range(size), rank)
+        self._digests: dict[int, str] = {}
+        self._values_seen: set[str] = set()  # kinds of call whose values were compared once
+        device = device if device is not None else torch.device("cpu")
+        aid = os.environ.get("MESHPIPE_VALUES_ON_DEVICE", "") == "1"
+        values = mode in ("values", "first_values") and size > 1 and data is not None
+        self._gather: DeviceGather | None = None
+        if values and data is not None and (device.type == "cuda" or aid):
+            self._gather = DeviceGather(data, size, device, timeout)
+        self._pending: Gathered | None = None  # the last call's device values, unread
+
+    def _name(self, proc: int) -> str:
+        lay = self._layout
+        if not lay.stage_meshes:
+            return f"pp rank {proc} (global rank {lay.ranks[proc]})"
+        pp, d, t = lay.place(proc)
+        return f"global rank {lay.ranks[proc]} (pp rank {pp}, dp {d}, tp {t})"
+
+    def _read(self, gathered: Gathered, late: bool) -> None:
+        """Raise PipelineError (on every process alike) if the device values differ."""
+        gather = self._gather
+        if gather is None:  # only calls that launched a device gather get here
+            raise RuntimeError("internal: device values read without a device gather")
+        rows = gather.read(gathered)
+        why = verdict(rows, gathered.paths, self._name, gathered.call)
+        if why is not None:
+            if late:
+                why += (
+                    " (found at the start of the next call: on the GPU a call's values are "
+                    "compared on the device and read by the next call, so that no step waits "
+                    "for the GPU)"
+                )
+            raise PipelineError(why)
+
+    def _fingerprints(self, leaves: Leaves) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fingerprint of the leaves compared on the host (CPU), and of those gathered
+        on the device (None without a device gather)."""
+        gather = self._gather
+        tensors = [t for _, t in leaves]
+        here = [gather is None or t.device.type != gather.device.type for t in tensors]
+        host = fingerprint([t if h else None for t, h in zip(tensors, here)], CPU)
+        if gather is None:
+            return host, None
+        return host, fingerprint([None if h else t for t, h in zip(tensors, here)], gather.device)
+
+    def _agreement(
+        self,
+        call: str,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        train_mode: bool,
+        values: bool,
+    ) -> tuple[Agreement, Gathered | None]:
+        """Start the all-gather of the call's digests (with ``values``: and of the CPU
+        leaves' fingerprint), and of the device leaves' fingerprint where there is a device
+        gather."""
+        digest = self._digests.get(id(schedule))
+        if digest is None:
+            digest = self._digests[id(schedule)] = schedule_digest(schedule)
+        fields, leaves = describe_call(call, schedule, digest, args, kwargs, target, train_mode)
+        host: torch.Tensor | None = None
+        explain: Callable[[torch.Tensor], str | None] | None = None
+        launched: Gathered | None = None
+        if values and self._size > 1:
+            paths = tuple(p for p, _ in leaves)
+            host, on_device = self._fingerprints(leaves)
+            explain = functools.partial(verdict, paths=paths, name=self._name, call=call)
+            if self._gather is not None and on_device is not None:
+                launched = self._gather.launch(on_device, paths, call)
+        agreement = Agreement(
+            fields, self._group, self._size, self._timeout, self._rank, host, explain
+        )
+        return agreement, launched
+
+    def start(
+        self,
+        call: str,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        train_mode: bool,
+        training: bool,
+        has_loss: bool,
+    ) -> Callable[[], None]:
+        """Start checking a call (the digests travel while the step begins); returns the
+        *gate* that finishes the checks, identically on every process. The previous call's
+        device values are read first: a difference raises PipelineError here."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._read(pending, late=True)
+        agreement: Agreement | None = None
+        launched: Gathered | None = None
+        kind = call.split(" ", 1)[0]  # "step", "eval_step", "forward"
+        first = kind not in self._values_seen
+        mode = self.mode
+        if mode == "first_values":  # every process's state moves alike: same mode everywhere
+            mode = "values" if first else "shapes"
+        if mode != "off":
+            agreement, launched = self._agreement(
+                call, schedule, args, kwargs, target, train_mode, mode == "values"
+            )
+        if launched is not None and not first:
+            self._pending = launched  # read by the next call
+
+        def gate() -> None:
+            try:
+                if agreement is not None:
+                    agreement.check()
+                if launched is not None and first:
+                    self._read(launched, late=False)  # once per kind: waits for the device
+                check_locally(args, target, training, has_loss)
+            except PipelineError:  # refused on every process: this call's values are moot
+                if self._pending is launched:
+                    self._pending = None
+                raise
+            if mode == "values":
+                self._values_seen.add(kind)
+
+        return gate

@@ -1,0 +1,173 @@
+"""Per-stage SPMD on the non-pp axes, as the Pipeline runs it: TP, then FSDP2 or DDP-style
+replicas on dp, with gradient reduction once per step started at each stage's last backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from meshpipe.errors import PipelineError
+from meshpipe.parallel import (
+    GradSync,
+    apply_fsdp,
+    apply_tp,
+    check_tp_plan,
+    fsdp_begin_step,
+)
+from meshpipe.parallel.fsdp_plan import plan_fsdp
+from meshpipe.parallel.replicas import broadcast_replicas
+from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
+from meshpipe.runtime.mesh.topology import Topology
+from meshpipe.schedule.ir import Action, Op, Schedule
+
+__all__ = ["Spmd", "DP_MODES"]
+
+DP_MODES = (None, "ddp", "fsdp")
+Hook = Callable[[], None]
+
+
+class Spmd:
+    """How this rank's stages are parallelised over dp and tp, and the step's reductions."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        dp: str | None,
+        tp_plan: Mapping[str, Any] | None,
+        mp_policy: Any | None,
+        reshard_gap: int | None = 2,
+    ) -> None:
+        if dp not in DP_MODES:
+            raise PipelineError(f"dp must be one of {DP_MODES}, got {dp!r}")
+        lay = topo.layout
+        # with stage meshes every process checks every mesh, so all of them refuse alike
+        tp_sizes = (
+            {lay.shape(i)[1] for i in range(len(lay.grids))} if lay.stage_meshes else {topo.tp_size}
+        )
+        self._tp_sizes = sorted(t for t in tp_sizes if t > 1)
+        self._plan_to_check = tp_plan
+        if tp_plan is not None and topo.tp_size == 1:
+            tp_plan = None  # a tp axis of size 1: nothing to split
+        if self._plan_to_check is None and self._tp_sizes:
+            raise PipelineError(
+                f"a mesh's tp axis has size {self._tp_sizes[-1]} but no tp_plan was given; "
+                "pass tp_plan={'*.up': ColwiseParallel(), ...} or build the mesh with tp=1"
+            )
+        if mp_policy is not None and dp != "fsdp":
+            raise PipelineError("mp_policy needs dp='fsdp' (FSDP2 applies mixed precision)")
+        self.topo = topo
+        self.dp = dp if topo.dp_size > 1 else None  # dp= on a size-1 axis is a no-op
+        self.plain_allreduce = dp is None and topo.dp_size > 1
+        self.tp_plan = tp_plan
+        self.mp_policy = mp_policy
+        self._syncs: dict[int, GradSync] = {}
+        self._fsdp: dict[int, Any] = {}
+        self.dp_bytes_per_step = 0
+        self.dp_bytes_min = 0
+        self._dp_bytes_base = 0
+        self._param_bytes: dict[int, int] = {}
+        # FSDP2: reshard a stage whose next action is at least this many actions away
+        self.reshard_gap = reshard_gap
+
+    def check(self, all_stages: Sequence[nn.Module], placement: Sequence[int]) -> None:
+        """Checks that need every stage (same on every rank, before any communication): the
+        tp plan against the stages it applies to (stage meshes: those on meshes of each tp
+        size)."""
+        lay = self.topo.layout
+        for tp in self._tp_sizes:
+            applies = [
+                not lay.stage_meshes or lay.shape(placement[s])[1] == tp
+                for s in range(len(all_stages))
+            ]
+            check_tp_plan(all_stages, self._plan_to_check, tp, applies)  # type: ignore[arg-type]
+
+    def wrap(self, stage: int, module: nn.Module, timeout: float = 300.0) -> nn.Module:
+        """Apply TP, make the dp replicas equal (dp replica 0's parameters and buffers, for
+        every dp mode; before FSDP2 shards them), then FSDP2 or replica sync, to one local
+        stage module."""
+        topo = self.topo
+        if self.tp_plan is not None and topo.tp_mesh is not None:
+            apply_tp(module, topo.tp_mesh, self.tp_plan)
+        if topo.dp_group is not None:
+            broadcast_replicas(
+                module, topo.dp_group, stage, topo.device,
+                lambda work, what: wait_bounded(work, timeout, what, None),
+            )  # fmt: skip
+        param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        dp = topo.dp_size
+        if self.dp == "fsdp" and topo.dp_mesh is not None:
+            sharded = apply_fsdp(module, topo.dp_mesh, self.mp_policy)
+            self._fsdp[stage] = sharded
+            self._param_bytes[stage] = param_bytes
+            # at least one all-gather and one reduce-scatter of the stage per step (ring);
+            # re-gathers after idle-time reshards are added when the step's hooks are planned
+            self._dp_bytes_base += 2 * param_bytes * (dp - 1) // dp
+            self.dp_bytes_per_step += 2 * param_bytes * (dp - 1) // dp
+            self.dp_bytes_min += 2 * param_bytes * (dp - 1) // dp
+        elif self.dp == "ddp" and topo.dp_group is not None:
+            self._syncs[stage] = GradSync(list(module.parameters()), topo.dp_group)
+            self.dp_bytes_per_step += 2 * param_bytes * (dp - 1) // dp
+            self.dp_bytes_min += 2 * param_bytes * (dp - 1) // dp
+        elif self.plain_allreduce:
+            self.dp_bytes_per_step += 2 * param_bytes * (dp - 1) // dp
+            self.dp_bytes_min += 2 * param_bytes * (dp - 1) // dp
+        return module
+
+    def begin_step(self) -> None:
+        for module in self._fsdp.values():
+            fsdp_begin_step(module)
+
+    def hooks(
+        self, schedule: Schedule, rank: int, sync: bool = True
+    ) -> tuple[dict[Action, list[Hook]], dict[Action, list[Hook]]]:
+        """(before, after) callbacks per action: gradient reductions right after each local
+        stage's last backward action of the step; FSDP2 reshards while a stage is idle and
+        gathers ahead of its next use."""
+        last: dict[int, Action] = {}
+        for a in schedule.actions[rank]:
+            if a.op is not Op.F:
+                last[a.stage] = a
+        after: dict[Action, list[Hook]] = {}
+        for stage, action in last.items():
+            if stage in self._syncs and sync:
+                after.setdefault(action, []).append(self._syncs[stage].start)
+        before: dict[Action, list[Hook]] = {}
+        if self._fsdp:
+            plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap, sync)
+            for a, hs in plan.after.items():
+                after.setdefault(a, []).extend(hs)
+            for a, hs in plan.before.items():
+                before.setdefault(a, []).extend(hs)
+            dp = self.topo.dp_size
+            self.dp_bytes_per_step = self._dp_bytes_base + sum(
+                n * self._param_bytes[s] * (dp - 1) // dp for s, n in plan.regathers.items()
+            )
+        return before, after
+
+    def finish_step(self, timeout: float, watchdog: Watchdog | None = None) -> float:
+        """Wait for replica reductions (stream waits under a CUDA ``watchdog``); returns the
+        factor the reduced grads still need relative to a plain sum over dp (FSDP2
+        averages, so it needs ``dp_size``)."""
+        for sync in self._syncs.values():
+            sync.finish(
+                lambda w: wait_bounded(w, timeout, "the gradient all-reduce over dp", watchdog)
+            )
+        return float(self.topo.dp_size) if self._fsdp else 1.0
+
+    def collectives_in_actions(self, training: bool, sync: bool) -> bool:
+        """Whether a step's actions run dp collectives (FSDP2's gathers and reduce-scatters,
+        DDP's per-stage gradient all-reduces in a synced training step): a process that
+        fails leaves its dp peers in one of those, never at the step's closing collective,
+        which it must then not join over dp (runtime/failures/closing.py)."""
+        return bool(self._fsdp) or (training and sync and bool(self._syncs))
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return bool(self._fsdp)
+
+    @property
+    def grads_summed_elsewhere(self) -> bool:
+        """True when dp reduction already happened per stage (not the plain all-reduce)."""
+        return bool(self._syncs or self._fsdp)

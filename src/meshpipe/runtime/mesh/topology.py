@@ -1,0 +1,174 @@
+"""The mesh and this rank's place in it: init_mesh, and the pp axis's ranks and groups."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshpipe.errors import PipelineError
+from meshpipe.runtime.mesh.compat import check_torch_version
+from meshpipe.runtime.mesh.layout import Layout
+from meshpipe.runtime.transfer.channels import Channels
+
+__all__ = ["init_mesh", "init_default_group", "mesh_device", "Topology", "pp_channels"]
+
+log = logging.getLogger(__name__)
+AXES = ("pp", "dp", "tp")
+
+
+def _check_degree(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PipelineError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def init_mesh(
+    pp: int,
+    dp: int = 1,
+    tp: int = 1,
+    device_type: str | None = None,
+    timeout: float = 300.0,
+) -> DeviceMesh:
+    """A DeviceMesh with axes ("pp", "dp", "tp") over all processes (size-1 axes kept).
+
+    Initialises the default process group from torchrun's environment variables when none
+    exists: gloo on CPU; ``"cpu:gloo,cuda:nccl"`` when CUDA is present, on device
+    ``cuda:(LOCAL_RANK % device_count)``. A mesh built by the user on a plain ``"nccl"``
+    group works too: the Pipeline makes the CPU-side group it needs itself.
+    ``timeout`` bounds collectives (seconds).
+    """
+    check_torch_version()
+    sizes = tuple(_check_degree(n, v) for n, v in zip(AXES, (pp, dp, tp)))
+    device_type = init_default_group(device_type, timeout)
+    world = dist.get_world_size()
+    product = sizes[0] * sizes[1] * sizes[2]
+    if product != world:
+        raise PipelineError(
+            f"mesh pp={pp} x dp={dp} x tp={tp} = {product} processes, but the world size is "
+            f"{world}; the product of the degrees must equal the world size"
+        )
+    return init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
+
+
+def init_default_group(device_type: str | None, timeout: float) -> str:
+    """Initialise the default process group from torchrun's environment when none exists
+    (see :func:`init_mesh`); returns the device type the meshes use."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
+        if missing:
+            raise PipelineError(
+                f"no process group and {missing} unset: launch with torchrun or "
+                "`meshpipe launch -n N script.py`, or call torch.distributed.init_process_group"
+            )
+        # on CUDA: NCCL for device tensors, gloo beside it for the few CPU-side messages
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return device_type
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place: pp rank, the pp group's global ranks, the dp and tp sub-meshes."""
+
+    pp_rank: int
+    pp_size: int
+    pp_group: dist.ProcessGroup
+    pp_global_ranks: tuple[int, ...]  # global rank per pp rank (stage meshes: its first)
+    dp_group: dist.ProcessGroup | None
+    dp_size: int
+    dp_mesh: DeviceMesh | None
+    tp_size: int
+    tp_mesh: DeviceMesh | None
+    device: torch.device
+    coords: dict[str, int]
+    axis_sizes: dict[str, int]
+    layout: Layout  # the processes of every pp rank (uniform mesh: one per pp rank)
+
+    @property
+    def stage_meshes(self) -> bool:
+        return self.layout.stage_meshes
+
+    @classmethod
+    def from_mesh(
+        cls, mesh: DeviceMesh, pp_axis: str = "pp", dp_axis: str = "dp", tp_axis: str = "tp"
+    ) -> Topology:
+        check_torch_version()
+        names = tuple(mesh.mesh_dim_names or ())
+        if pp_axis not in names:
+            raise PipelineError(
+                f"the mesh has axes {names}, with no {pp_axis!r} axis to pipeline over; "
+                "build it with meshpipe.init_mesh(pp=...) or pass pp_axis="
+            )
+        sizes = {axis: mesh.size(names.index(axis)) for axis in names}
+        for axis, size in sizes.items():
+            if axis not in (pp_axis, dp_axis, tp_axis) and size > 1:
+                raise PipelineError(
+                    f"mesh axis {axis!r} has size {size}; meshpipe knows the axes "
+                    f"{pp_axis!r}, {dp_axis!r} and {tp_axis!r}"
+                )
+        dp_size, tp_size = sizes.get(dp_axis, 1), sizes.get(tp_axis, 1)
+        pp_group = mesh.get_group(pp_axis)
+        pp_ranks = tuple(dist.get_process_group_ranks(pp_group))
+        pp_rank = mesh.get_local_rank(pp_axis)
+        return cls(
+            pp_rank=pp_rank,
+            pp_size=sizes[pp_axis],
+            pp_group=pp_group,
+            pp_global_ranks=pp_ranks,
+            dp_group=mesh.get_group(dp_axis) if dp_size > 1 else None,
+            dp_size=dp_size,
+            dp_mesh=mesh[dp_axis] if dp_axis in names else None,
+            tp_size=tp_size,
+            tp_mesh=mesh[tp_axis] if tp_axis in names else None,
+            device=mesh_device(mesh),
+            coords={axis: mesh.get_local_rank(axis) for axis in names},
+            axis_sizes=sizes,
+            layout=Layout.uniform(pp_ranks, pp_rank),
+        )
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def pp_channels(topo: Topology) -> Channels:
+    """The groups of this process's transfers along pp: data on the pp group itself, and a
+    gloo group over the same ranks for control messages (made here, by the pp group's
+    members only). On CUDA the pp group's NCCL communicator is set up eagerly, so that the
+    first batched send/receive need not involve every rank of the group."""
+    ranks = topo.layout.ranks
+    if len(ranks) == 1:
+        return Channels(topo.pp_group, topo.pp_group, ranks, batched=False)
+    ctrl = dist.new_group(
+        list(ranks),
+        backend="gloo",
+        # its readers wait for a peer's next message for as long as a step lasts, however
+        # long that is; every wait of the main thread on it carries its own timeout
+        timeout=datetime.timedelta(days=7),
+        use_local_synchronization=True,
+    )
+    data = topo.pp_group
+    if topo.stage_meshes:  # a group of its own for the transfers, as a pp group is
+        data = dist.new_group(list(ranks), use_local_synchronization=True)
+    cuda = topo.device.type == "cuda"
+    if cuda:
+        dist.all_reduce(torch.zeros(1, device=topo.device), group=data)
+    # MESHPIPE_P2P_BATCHED=1: post as on NCCL (each group with batch_isend_irecv, nothing
+    # ahead of its group) on gloo too; a testing aid, so CPU runs the GPU's posting path
+    batched = cuda or os.environ.get("MESHPIPE_P2P_BATCHED", "") == "1"
+    return Channels(data, ctrl, ranks, batched=batched)

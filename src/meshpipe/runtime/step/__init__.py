@@ -1,0 +1,1 @@
+"""Running this rank's actions: executor, stages, backward, recompute, compile, reductions."""

@@ -1,0 +1,222 @@
+"""Stage backward: full (B), and the zero-bubble split into input-only (I) and weight-only (W).
+
+The split walks the stage's autograd graph once. A node is *weight-only* when every path
+below it ends in a parameter. A *boundary* node is one that is not weight-only but has a
+weight-only child (a Linear's matmul: its activation input is not weight-only, its weight
+is). I computes the input gradients and captures the gradient that reaches each boundary
+node; the engine does not run the weight-only branches. W then runs each boundary node for
+its weight-only children only, and pushes those gradients down the weight-only subgraphs
+into ``param.grad``. Each node runs once in I or W, so I + W costs about one B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from meshpipe.runtime.step.split_compile import Deferred, collecting, is_split_node
+
+__all__ = ["backward_full", "backward_input", "WeightGrad"]
+
+
+Root = torch.Tensor | GradientEdge
+
+
+def _edge(root: Root) -> GradientEdge | None:
+    if isinstance(root, GradientEdge):
+        return root
+    if not root.requires_grad:
+        return None
+    return get_gradient_edge(root)
+
+
+def _with_grad(
+    outputs: Sequence[Root | None], grads: Sequence[torch.Tensor | None]
+) -> tuple[list[Root], list[torch.Tensor]]:
+    """The outputs that take part in backward (a gradient given, and a graph behind them:
+    a gradient edge, or a tensor requiring grad), as given, with their gradients."""
+    roots: list[Root] = []
+    gs: list[torch.Tensor] = []
+    for o, g in zip(outputs, grads):
+        if o is not None and g is not None and (isinstance(o, GradientEdge) or o.requires_grad):
+            roots.append(o)
+            gs.append(g)
+    return roots, gs
+
+
+def backward_full(
+    outputs: Sequence[Root | None],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """Run the whole backward: accumulate ``param.grad`` and return the inputs' gradients.
+
+    ``outputs`` are tensors or their gradient edges (so output data can be freed early).
+    """
+    roots, gs = _with_grad(outputs, grads)
+    # tensors go to the engine as they are: quicker than by their gradient edges
+    tensors = [r for r in roots if isinstance(r, torch.Tensor)]
+    if len(tensors) == len(roots):
+        if tensors:
+            torch.autograd.backward(tensors, gs)
+    else:  # edges (outputs of a middle stage), or a mix: all as edges
+        torch.autograd.backward([e for r in roots if (e := _edge(r)) is not None], gs)
+    return [x.grad if x.requires_grad else None for x in inputs]
+
+
+@dataclass
+class WeightGrad:
+    """The pending weight half of a split backward; :meth:`run` accumulates ``param.grad``."""
+
+    # per boundary node: the edges into it with their captured gradients,
+    # and the edges to its weight-only children
+    work: list[tuple[list[GradientEdge], list[torch.Tensor], list[GradientEdge]]] = field(
+        default_factory=list
+    )
+    params: list[torch.Tensor] = field(default_factory=list)
+    # outputs whose whole graph is weight-only: W is their full backward
+    direct: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
+    # the weight halves of compiled backward nodes (runtime/step/split_compile.py)
+    deferred: list[Deferred] = field(default_factory=list)
+
+    def run(self) -> None:
+        for work in self.deferred:
+            work()
+        self.deferred = []
+        child_edges: list[GradientEdge] = [e for e, _ in self.direct]
+        child_grads: list[torch.Tensor] = [g for _, g in self.direct]
+        self.direct = []
+        for into, captured, children in self.work:
+            got = torch.autograd.grad(into, children, captured, allow_unused=True)
+            for e, g in zip(children, got):
+                if g is not None:
+                    child_edges.append(e)
+                    child_grads.append(g)
+        self.work.clear()
+        if child_edges:
+            pgrads = torch.autograd.grad(child_edges, self.params, child_grads, allow_unused=True)
+            for p, g in zip(self.params, pgrads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        self.params = []
+
+
+def _postorder(roots: Sequence[Node]) -> list[Node]:
+    order: list[Node] = []
+    seen: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                stack.append((child, False))
+    return order
+
+
+def _num_grad_inputs(node: Node) -> int:
+    meta = getattr(node, "_input_metadata", None)
+    return len(meta) if meta is not None else 1
+
+
+def _weight_only(order: Sequence[Node], acc: set[Node]) -> dict[Node, bool]:
+    """For each node (children first): does every path below it end in a parameter?"""
+    weight_only: dict[Node, bool] = {}
+    for node in order:
+        if node in acc:
+            weight_only[node] = True
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        weight_only[node] = bool(children) and all(weight_only.get(c, False) for c in children)
+    return weight_only
+
+
+def _boundaries(
+    order: Sequence[Node], weight_only: dict[Node, bool], compiled: bool
+) -> list[tuple[Node, list[GradientEdge]]] | None:
+    """Boundary nodes with the edges to their weight-only children; None if a weight-only
+    node feeds two boundary nodes (splitting could then run the activation path twice).
+    With ``compiled``, compiled regions' nodes split themselves (split_compile.py) and are
+    never boundaries."""
+    found: list[tuple[Node, list[GradientEdge]]] = []
+    owner_of: dict[Node, Node] = {}
+    for node in order:
+        if weight_only[node] or (compiled and is_split_node(node)):
+            continue
+        edges = [
+            GradientEdge(c, nr) for c, nr in node.next_functions if c is not None and weight_only[c]
+        ]
+        for edge in edges:
+            if owner_of.setdefault(edge.node, node) is not node:
+                return None
+        if edges:
+            found.append((node, edges))
+    return found
+
+
+def backward_input(
+    outputs: Sequence[Root | None],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    compiled: bool = False,
+) -> tuple[list[torch.Tensor | None], WeightGrad]:
+    """I: the inputs' gradients now, and a :class:`WeightGrad` to run later as W.
+
+    The weights are the leaves of the graph that are not ``inputs`` (found from the graph,
+    so parameters swapped in by FSDP2 or DTensor are the ones that get gradients).
+    ``compiled``: the stage was compiled with a split backend, whose nodes leave their own
+    weight work for W.
+    """
+    given, gs = _with_grad(outputs, grads)
+    outs = [e for r in given if (e := _edge(r)) is not None]  # none dropped: all have graphs
+    if not outs:
+        return [None for _ in inputs], WeightGrad()
+    order = _postorder([e.node for e in outs])
+    input_ids = {id(x) for x in inputs}
+    acc: dict[Node, torch.Tensor] = {}
+    for node in order:
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in input_ids:
+            acc[node] = leaf
+    params = list(acc.values())
+    weight_only = _weight_only(order, set(acc))
+    boundary = _boundaries(order, weight_only, compiled)
+    if boundary is None:  # rare (a weight-only node shared by two uses): no split, W no-op
+        return backward_full(outputs, grads, inputs), WeightGrad()
+    capture: list[GradientEdge] = []
+    owners: list[int] = []
+    for i, (node, _) in enumerate(boundary):
+        for k in range(_num_grad_inputs(node)):
+            capture.append(GradientEdge(node, k))
+            owners.append(i)
+    need_inputs = [x for x in inputs if x.requires_grad]
+    wanted: list[Any] = [*need_inputs, *capture]
+    got: Sequence[torch.Tensor | None] = ()
+    deferred: list[Deferred] = []
+    if wanted:
+        with collecting() as deferred:
+            got = torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True)
+    it = iter(got[: len(need_inputs)])
+    input_grads = [next(it) if x.requires_grad else None for x in inputs]
+    pending = WeightGrad(params=list(params), deferred=deferred)
+    per_node: dict[int, tuple[list[GradientEdge], list[torch.Tensor]]] = {}
+    for edge, owner, g in zip(capture, owners, got[len(need_inputs) :]):
+        if g is not None:
+            edges, captured = per_node.setdefault(owner, ([], []))
+            edges.append(edge)
+            captured.append(g)
+    for owner, (edges, captured) in per_node.items():
+        pending.work.append((edges, captured, boundary[owner][1]))
+    # an output whose whole graph is weight-only (first stage): W is its full backward
+    pending.direct = [(e, g) for e, g in zip(outs, gs) if weight_only[e.node]]
+    return input_grads, pending

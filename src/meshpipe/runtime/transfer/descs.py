@@ -1,0 +1,57 @@
+"""Descriptions of values crossing stage boundaries: what a receiver needs to allocate them
+(pytree structure, and the dtype, shape and requires_grad of each tensor leaf), cached per
+*description key* by both ends of every stream alike (see runtime/transfer/p2p.py)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import torch
+
+from meshpipe.runtime.step.pytree import Spec, flatten
+
+__all__ = ["Desc", "DescKey", "DescCache", "describe", "desc_bytes", "show_desc"]
+
+DescKey = tuple[int, str, int, int, Hashable]  # (peer, kind, src, dst, input signature)
+
+
+class Desc(NamedTuple):
+    """What a receiver needs to allocate a value: structure and (dtype, shape, grad) of leaves."""
+
+    spec: Spec
+    leaves: tuple[tuple[torch.dtype, tuple[int, ...], bool], ...]
+
+
+def describe(value: Any) -> tuple[list[torch.Tensor], Desc]:
+    """A value's tensor leaves (detached) and its description."""
+    leaves, spec = flatten(value)
+    tensors = [t.detach() for t in leaves]
+    desc = Desc(spec, tuple((t.dtype, tuple(t.shape), bool(t.requires_grad)) for t in leaves))
+    return tensors, desc
+
+
+def desc_bytes(desc: Desc) -> int:
+    """Bytes of the buffers a receiver allocates for a value so described."""
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape, _rg in desc.leaves)
+
+
+def show_desc(desc: Desc) -> str:
+    """``tensors (float32[4, 16], int64[4])``, for error messages."""
+    shapes = ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for d, s, _ in desc.leaves)
+    return f"tensors ({shapes})"
+
+
+class DescCache:
+    """Descriptions per key, kept across steps by both ends of every stream alike."""
+
+    def __init__(self) -> None:
+        self.send: dict[DescKey, Desc] = {}
+        self.recv: dict[DescKey, Desc] = {}
+        self._ids: dict[Hashable, int] = {}
+
+    def intern(self, signature: Hashable) -> int:
+        """A small number standing for an input signature in description keys (a nested
+        tuple is hashed once per microbatch and step, not once per transfer)."""
+        return self._ids.setdefault(signature, len(self._ids))
