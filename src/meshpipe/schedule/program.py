@@ -22,7 +22,6 @@ only when asked for, one rank at a time. Imports no torch.
 
 from __future__ import annotations
 
-import gc
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import NamedTuple
 from meshpipe.schedule.comm import Transfer, wiring
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.memo import memo, peek
+from meshpipe.schedule.nogc import collector_paused
 from meshpipe.schedule.replay import replay
 from meshpipe.schedule.unit import Packing, Placed, packing, unit_program
 
@@ -58,19 +58,22 @@ Program = tuple[tuple[Group, ...], ...]  # per rank: groups in posting order
 @dataclass(frozen=True, slots=True)
 class IntProgram:
     """The p2p program as ints (see :mod:`meshpipe.schedule.unit` for ends and pair
-    codes). Per rank, per operation in posting order: ``ops``, packed (see
-    :class:`~meshpipe.schedule.unit.Packing`), their ``pair_codes`` and ``peers``; per
-    group, the ``positions`` of the actions they are posted before, and ``bounds``: the
-    index of each group's first operation, then the number of operations."""
+    codes). Per rank: its operations in posting order, packed (``ops``, see
+    :class:`~meshpipe.schedule.unit.Packing`); per group, the ``positions`` of the actions
+    they are posted before, and ``bounds``: the index of each group's first operation,
+    then the number of operations. (Few and long lists: the collector walks each item.)"""
 
     num_ranks: int
     replayed: bool  # placed by replay(): the unit-time replay on ints refused the schedule
     pack: Packing
     ops: tuple[list[int], ...]
-    pair_codes: tuple[list[int], ...]
-    peers: tuple[list[int], ...]
     positions: tuple[list[int], ...]
     bounds: tuple[list[int], ...]
+
+    def pair_codes(self, rank: int) -> list[int]:
+        """``rank``'s operations' pair codes, in posting order."""
+        shifted = map(rshift, self.ops[rank], repeat(self.pack.end_bits))
+        return list(map(and_, shifted, repeat(self.pack.pair_mask)))
 
     def ends(self, rank: int) -> list[int]:
         """``rank``'s operations' ends, in posting order."""
@@ -84,19 +87,17 @@ def int_program(schedule: Schedule) -> IntProgram:
 
 
 def _int_program(schedule: Schedule) -> IntProgram:
+    with collector_paused():
+        return _build_int_program(schedule)
+
+
+def _build_int_program(schedule: Schedule) -> IntProgram:
     placed, replayed = unit_program(schedule), False
     if placed is None:  # what the replay makes of it: it raises on a mismatch or a deadlock
         placed, replayed = _placed_by_replay(schedule), True
-    p = schedule.num_ranks
-    peer_of = peers_by_pair_code(p)
     pack = packing(schedule)
-    cols: tuple[list[list[int]], ...] = ([], [], [], [])
-    for ops in placed:
-        one = _finish(ops, pack, peer_of)
-        for col, value in zip(cols, one, strict=True):
-            col.append(value)
-    pair_codes, peers, positions, bounds = (tuple(c) for c in cols)
-    return IntProgram(p, replayed, pack, tuple(placed), pair_codes, peers, positions, bounds)
+    positions, bounds = zip(*(_finish(ops, pack) for ops in placed), strict=True)
+    return IntProgram(schedule.num_ranks, replayed, pack, tuple(placed), positions, bounds)
 
 
 def peers_by_pair_code(p: int) -> list[int]:
@@ -104,21 +105,16 @@ def peers_by_pair_code(p: int) -> list[int]:
     return [(c >> 1) % p if c & 1 else (c >> 1) // p for c in range(2 * p * p)]
 
 
-def _finish(
-    ops: list[int], pack: Packing, peer_of: list[int]
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """One rank's pair codes, peers, positions and bounds (see :class:`IntProgram`) from
-    its packed operations (see :data:`~meshpipe.schedule.unit.Placed`), sorting them."""
+def _finish(ops: list[int], pack: Packing) -> tuple[list[int], list[int]]:
+    """Sort one rank's packed operations (see :data:`~meshpipe.schedule.unit.Placed`) into
+    posting order; its groups' positions and bounds (see :class:`IntProgram`)."""
     ops.sort()
     at = list(map(rshift, ops, repeat(pack.group_shift)))  # per operation: its group position
-    shifted = map(rshift, ops, repeat(pack.end_bits))
-    pair_codes = list(map(and_, shifted, repeat(pack.pair_mask)))
-    peers = list(map(peer_of.__getitem__, pair_codes))
     # a group starts at the first operation and wherever the position changes
     bounds = [0, *compress(count(1), map(ne, at, islice(at, 1, None)))] if at else []
     positions = list(map(at.__getitem__, bounds))
     bounds.append(len(at))
-    return pair_codes, peers, positions, bounds
+    return positions, bounds
 
 
 def _placed_by_replay(schedule: Schedule) -> Placed:
@@ -188,19 +184,14 @@ def _rank_groups(prog: IntProgram, rank: int, table: list[P2P | None]) -> tuple[
 
 
 def _materialise(schedule: Schedule, ranks: Sequence[int]) -> list[tuple[Group, ...]]:
-    """The P2P form of ``ranks``' programs. The values hold no reference cycles, so the
-    cyclic collector is paused meanwhile: it would otherwise walk the whole heap several
-    times over while they pile up (most of the time, on a large schedule)."""
+    """The P2P form of ``ranks``' programs (with the collector paused: see
+    :mod:`meshpipe.schedule.nogc`)."""
     prog = int_program(schedule)
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
+    with collector_paused():
         table = _p2p_table(schedule, ranks)
-        return [_rank_groups(prog, rank, table) for rank in ranks]
-    finally:
-        if paused:
-            gc.enable()
+        out = [_rank_groups(prog, rank, table) for rank in ranks]
+        del table  # before the collector resumes: it would walk it
+    return out
 
 
 def _p2p_program(schedule: Schedule) -> Program:

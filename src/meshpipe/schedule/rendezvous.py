@@ -40,6 +40,7 @@ from operator import sub
 from meshpipe.errors import ScheduleError
 from meshpipe.schedule.comm import recv_of, send_of
 from meshpipe.schedule.ir import Action, Schedule
+from meshpipe.schedule.nogc import collector_paused
 from meshpipe.schedule.program import (
     P2P,
     IntProgram,
@@ -65,20 +66,31 @@ def check_rendezvous(schedule: Schedule, program: Program | None = None) -> None
     """Raise ScheduleError unless ``program`` (default: ``p2p_program(schedule)``) runs to
     the end under rendezvous semantics; the error names the ranks of a wait-for cycle, the
     group and operation each is stuck on, and the actions involved."""
-    flat = _flat_of(int_program(schedule)) if program is None else flatten_program(program)
+    if program is None:
+        if _runs(int_program(schedule)):
+            return
+        program = p2p_program(schedule)  # report on the P2P form: the same operations
+    flat = flatten_program(program)
     stuck = _play(flat)
     if any(j < len(ops) for j, ops in zip(stuck, flat[0])):  # noqa: B905 - same length
-        if program is None:  # report on the P2P form (the same operations, in the same order)
-            program = p2p_program(schedule)
-            flat = flatten_program(program)
-            stuck = _play(flat)
         _raise_deadlock(schedule, program, flat, stuck)
+
+
+def _runs(prog: IntProgram) -> bool:
+    """Whether ``prog`` runs to the end; its flat form lives only in here, with the
+    collector paused (see :mod:`meshpipe.schedule.nogc`)."""
+    with collector_paused():
+        flat = _flat_of(prog)
+        stuck = _play(flat)
+        done = all(j == len(ops) for j, ops in zip(stuck, flat[0]))  # noqa: B905
+        del flat
+    return done
 
 
 def flatten_program(program: Program) -> Flat:
     """The flat form of any program; refuses an operation whose peer is not another rank."""
     p = len(program)
-    firsts: list[list[int]] = [[] for _ in range(2 * p * p)]
+    firsts: dict[int, list[int]] = {}  # per pair code used
     codes: list[list[int]] = []
     for rank, groups in enumerate(program):
         ops: list[int] = []
@@ -93,7 +105,7 @@ def flatten_program(program: Program) -> Flat:
                     )
                 send = op.op == "send"
                 c = 2 * ((rank * p + op.peer) if send else (op.peer * p + rank)) + send
-                firsts[c].append(start)
+                firsts.setdefault(c, []).append(start)
                 ops.append(c)
         codes.append(ops)
     return _resolve(p, codes, firsts)
@@ -101,24 +113,29 @@ def flatten_program(program: Program) -> Flat:
 
 def _flat_of(prog: IntProgram) -> Flat:
     """The flat form of a program given as ints (what flatten_program gives of its P2P form)."""
-    p = prog.num_ranks
-    firsts: list[list[int]] = [[] for _ in range(2 * p * p)]
-    put = [f.append for f in firsts]
-    for pair_codes, bounds in zip(prog.pair_codes, prog.bounds, strict=True):
+    pair_codes = [prog.pair_codes(rank) for rank in range(prog.num_ranks)]
+    # per pair code used (a few per rank: a table of all 2 p^2 would keep the collector busy)
+    firsts: dict[int, list[int]] = {c: [] for pcs in pair_codes for c in set(pcs)}
+    put = {c: f.append for c, f in firsts.items()}
+    for pcs, bounds in zip(pair_codes, prog.bounds, strict=True):
         # per operation: the index of its group's first operation
         starts = chain.from_iterable(map(repeat, bounds, map(sub, bounds[1:], bounds)))
-        for c, start in zip(pair_codes, starts):  # noqa: B905 - one start per operation
+        for c, start in zip(pcs, starts):  # noqa: B905 - one start per operation
             put[c](start)
-    return _resolve(p, list(prog.pair_codes), firsts, list(prog.peers))
+    return _resolve(prog.num_ranks, pair_codes, firsts)
 
 
 def _resolve(
-    p: int, codes: list[list[int]], firsts: list[list[int]], peers: list[list[int]] | None = None
+    p: int,
+    codes: list[list[int]],
+    firsts: dict[int, list[int]],
+    peers: list[list[int]] | None = None,
 ) -> Flat:
     """Pair the k-th send of each (src, dst) with the k-th receive: a code's partner is
-    ``code ^ 1``, and every code belongs to one rank, which posts its operations in order."""
+    ``code ^ 1``, and every code belongs to one rank, which posts its operations in order.
+    ``firsts``: per pair code used, its operations' group starts, in posting order."""
     # per code: a callable giving, at its k-th call, where the partner of the k-th op waits
-    nexts = [chain(firsts[c ^ 1], repeat(_NEVER)).__next__ for c in range(2 * p * p)]
+    nexts = {c: chain(firsts.get(c ^ 1, ()), repeat(_NEVER)).__next__ for c in firsts}
     if peers is None:
         peer_of = peers_by_pair_code(p)
         peers = [[peer_of[c] for c in ops] for ops in codes]

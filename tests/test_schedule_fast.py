@@ -1,0 +1,243 @@
+"""The schedule tools' fast paths: the p2p program is computed once per schedule, in integer
+form, by a replay that places every operation where the reference replay does; rule 3's fast
+pass agrees with check_dataflow; rule 4 still plays out the program it is given."""
+
+from __future__ import annotations
+
+import gc
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshpipe.errors import ScheduleError
+from meshpipe.schedule import P2P, Schedule, get_schedule, p2p_program, schedule_names, validate
+from meshpipe.schedule import memo as memo_mod
+from meshpipe.schedule import program as program_mod
+from meshpipe.schedule.comm import Transfer, recv_of, send_of
+from meshpipe.schedule.nogc import collector_paused
+from meshpipe.schedule.program import IntProgram, _placed_by_replay, program_positions
+from meshpipe.schedule.rendezvous import check_rendezvous
+from meshpipe.schedule.replay import check_dataflow
+from meshpipe.schedule.unit import packing, unit_program
+
+MULTI = ("interleaved_1f1b", "looped_bfs")  # accept any stages_per_rank
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def grid() -> Iterator[Schedule]:
+    """Every generator over a grid of sizes (sizes a generator refuses are skipped)."""
+    for name in schedule_names():
+        for spr in (2, 3) if name in MULTI else (None,):
+            for p in (1, 2, 3, 4, 5, 8):
+                for m in (1, 2, 3, 5, 8, 13):
+                    try:
+                        yield get_schedule(name, p, m, spr)
+                    except ValueError:
+                        continue
+
+
+def placed_sorted(placed: list[list[int]]) -> list[list[int]]:
+    return [sorted(ops) for ops in placed]
+
+
+def test_fast_placement_equals_the_reference_replay() -> None:
+    # unit_program replays on ints and places each operation as it goes; _placed_by_replay
+    # places them afterwards from replay()'s float start times: the same operations, each
+    # in the same group, for every generator and size
+    count = 0
+    for s in grid():
+        fast = unit_program(s)
+        assert fast is not None, s.name
+        assert placed_sorted(fast) == placed_sorted(_placed_by_replay(s)), (s.name, s.num_ranks)
+        count += 1
+    assert count > 200
+
+
+def mutations(seed: int, count: int) -> Iterator[Schedule]:
+    """Small schedules with one action swapped, moved or dropped (those Schedule accepts)."""
+    rng = random.Random(seed)
+    small = [s for s in grid() if s.num_ranks <= 4 and s.num_microbatches <= 8]
+    for _ in range(count):
+        s = rng.choice(small)
+        rows = [list(row) for row in s.actions]
+        row = rows[rng.randrange(len(rows))]
+        if len(row) < 2:
+            continue
+        i, j = rng.randrange(len(row)), rng.randrange(len(row))
+        kind = rng.randrange(3)
+        if kind == 0:
+            row[i], row[j] = row[j], row[i]
+        elif kind == 1:
+            row.insert(j, row.pop(i))
+        else:
+            del row[i]
+        try:
+            yield Schedule(s.num_ranks, s.num_microbatches, s.placement, rows, s.name)
+        except ScheduleError:
+            continue
+
+
+def test_fast_pass_agrees_with_check_dataflow() -> None:
+    # where the fast replay runs, rule 3 holds and it places what the reference replay
+    # places; where it refuses, validate refuses too (by rule 3, or earlier)
+    passed = refused = 0
+    for t in mutations(seed=22, count=1500):
+        fast = unit_program(t)
+        if fast is not None:
+            check_dataflow(t)
+            assert placed_sorted(fast) == placed_sorted(_placed_by_replay(t))
+            passed += 1
+        else:
+            with pytest.raises(ScheduleError):
+                validate(t, rendezvous=False)
+            refused += 1
+    assert passed > 50 and refused > 500
+
+
+@pytest.fixture
+def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    original = program_mod.unit_program
+
+    def counted(schedule: Schedule) -> Any:
+        calls[0] += 1
+        return original(schedule)
+
+    monkeypatch.setattr(program_mod, "unit_program", counted)
+    return calls
+
+
+def test_program_computed_once_per_schedule(count_replays: list[int]) -> None:
+    s = get_schedule("zbv", 4, 8)
+    validate(s)
+    assert count_replays == [1]
+    program = p2p_program(s)
+    validate(s)
+    assert p2p_program(s) is program  # the same values, not rebuilt
+    assert program_positions(s, 1)[0] is program[1]
+    assert count_replays == [1]
+    # another object, equal: its own entry, the same program
+    twin = get_schedule("zbv", 4, 8)
+    assert p2p_program(twin) == program and p2p_program(twin) is not program
+    assert count_replays == [2]
+
+
+def test_memo_entries_follow_their_schedules() -> None:
+    memo_mod.clear()
+    kept = [get_schedule("1f1b", 2, m) for m in range(1, memo_mod.MAX_SCHEDULES + 4)]
+    for s in kept:
+        validate(s)
+    assert len(memo_mod._ENTRIES) == memo_mod.MAX_SCHEDULES  # the least recently used left
+    assert memo_mod.peek(kept[-1], "int_program") is not None
+    assert memo_mod.peek(kept[0], "int_program") is None
+    del s
+    kept.clear()
+    gc.collect()
+    assert memo_mod._ENTRIES == {}  # gone with their schedules
+
+
+def test_program_positions_of_one_rank_alone() -> None:
+    # the runtime asks for its own rank only: built alone, equal to the whole program's row
+    for s in (get_schedule("zbv", 4, 8), get_schedule("interleaved_1f1b", 3, 6, 2)):
+        alone = [program_positions(s, rank) for rank in range(s.num_ranks)]
+        whole = p2p_program(s)
+        for rank, (groups, positions) in enumerate(alone):
+            assert groups == whole[rank]
+            assert positions == program_positions(s, rank)[1]
+            assert len(positions) == len(groups) and list(positions) == sorted(set(positions))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_collector_state_is_kept(enabled: bool) -> None:
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError), collector_paused():
+            raise RuntimeError("inside")
+        assert gc.isenabled() is enabled
+        s = get_schedule("dualpipev", 4, 8)
+        validate(s)
+        p2p_program(s)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def as_int_program(s: Schedule, program: tuple[tuple[tuple[P2P, ...], ...], ...]) -> IntProgram:
+    """A hand-built P2P program in the integer form (each group at its own position)."""
+    pack, m, p = packing(s), s.num_microbatches, s.num_ranks
+    ops, positions, bounds = [], [], []
+    for rank, groups in enumerate(program):
+        mine: list[int] = []
+        for g, group in enumerate(groups):
+            for k, op in enumerate(group):
+                t: Transfer = op.transfer
+                send = op.op == "send"
+                pair = rank * p + op.peer if send else op.peer * p + rank
+                code = 2 * (t.src_stage * m + t.mb) + (t.kind == "grad")
+                low = ((2 * pair + send) << pack.end_bits) + 2 * code + send
+                mine.append((g << pack.group_shift) + (k << pack.low_bits) + low)
+        ops.append(mine)
+        positions.append(list(range(len(groups))))
+        bounds.append([0, *(sum(map(len, groups[: g + 1])) for g in range(len(groups)))])
+    return IntProgram(p, False, pack, tuple(ops), tuple(positions), tuple(bounds))
+
+
+def late(s: Schedule) -> tuple[tuple[tuple[P2P, ...], ...], ...]:
+    """Receives posted right before the action consuming them (deadlocks when rendezvous)."""
+    program = []
+    for row in s.actions:
+        groups: list[tuple[P2P, ...]] = []
+        pending: tuple[int, Transfer] | None = None
+        for a in row:
+            group = [] if pending is None else [P2P("send", *pending)]
+            need = recv_of(s, a)
+            if need is not None:
+                group.append(P2P("recv", *need))
+            if group:
+                groups.append(tuple(group))
+            pending = send_of(s, a)
+        if pending is not None:
+            groups.append((P2P("send", *pending),))
+        program.append(tuple(groups))
+    return tuple(program)
+
+
+def test_rule_4_plays_out_the_program_it_is_given() -> None:
+    # the schedule's own program runs; put a late program in its place and check_rendezvous
+    # finds the cycle in it, and reports it as for the P2P form
+    s = get_schedule("interleaved_1f1b", 2, 4, 2)
+    check_rendezvous(s)
+    late_program = late(s)
+    with pytest.raises(ScheduleError) as direct:
+        check_rendezvous(s, late_program)
+    values: dict[str, Any] = memo_mod._values(s)
+    values["int_program"] = as_int_program(s, late_program)
+    values.pop("p2p_program", None)
+    assert p2p_program(s) == late_program
+    with pytest.raises(ScheduleError, match="ranks 0 -> 1 -> 0 wait for each other") as own:
+        check_rendezvous(s)
+    assert str(own.value) == str(direct.value)
+    with pytest.raises(ScheduleError, match="deadlocks when a send completes"):
+        validate(s)
+
+
+def run_bench(*args: str) -> str:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_schedule.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_bench_schedule_smoke() -> None:
+    out = run_bench("--ranks", "4", "--microbatches", "8", "--repeat", "1", "zbv", "1f1b")
+    assert "4 ranks x 8 microbatches" in out and "p2p_program" in out
+    assert out.count("\n") == 4  # title, header, two rows
