@@ -225,7 +225,7 @@ def deadlock_control(mesh: Any, num_stages: int, num_microbatches: int, rows: in
     so run it last in a spawn."""
     import os
 
-    import meshpipe.runtime.pipeline.pipeline as pl
+    import meshpipe.runtime.pipeline.driver as pl
 
     original = pl.program_positions
     pl.program_positions = late_program  # type: ignore[assignment]

@@ -1,0 +1,122 @@
+"""Building a Pipeline: its options checked, the topology of its mesh (or stage meshes), and
+this rank's stage runners, wrapped for SPMD, checkpointed and compiled as asked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshpipe.errors import PipelineError
+from meshpipe.runtime.mesh.spmd import Spmd
+from meshpipe.runtime.mesh.stage_meshes import is_stage_meshes, stage_topology
+from meshpipe.runtime.mesh.topology import Topology
+from meshpipe.runtime.step.compiling import compile_stage
+from meshpipe.runtime.step.microbatch import ChunkSpec, split_microbatches
+from meshpipe.runtime.step.recompute import Policy, apply_policy, backward_plan
+from meshpipe.runtime.step.stage import StageRunner
+from meshpipe.schedule.ir import Schedule
+from meshpipe.split.whole import WholeModel
+
+__all__ = [
+    "StageOptions",
+    "build_runners",
+    "check_autocast",
+    "check_timeout",
+    "pipeline_topology",
+    "split_whole",
+    "stages_per_rank_of",
+]
+
+
+def check_autocast(autocast: Any) -> None:
+    if autocast is not None and not (
+        isinstance(autocast, torch.dtype) and autocast in (torch.bfloat16, torch.float16)
+    ):
+        raise PipelineError(f"autocast must be torch.bfloat16 or torch.float16, got {autocast!r}")
+
+
+def check_timeout(timeout: Any) -> None:
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def pipeline_topology(
+    mesh: DeviceMesh | Sequence[DeviceMesh], pp_axis: str, dp_axis: str, tp_axis: str
+) -> Topology:
+    """This process's place in ``mesh``, or in one mesh per pp rank (init_stage_meshes)."""
+    if is_stage_meshes(mesh):
+        return stage_topology(mesh)  # type: ignore[arg-type]
+    return Topology.from_mesh(mesh, pp_axis, dp_axis, tp_axis)  # type: ignore[arg-type]
+
+
+def stages_per_rank_of(model: object, pp_size: int, given: int | None) -> int | None:
+    """``given``, or for a list of stage modules the count that spreads them evenly."""
+    if isinstance(model, (list, tuple)) and given is None:
+        if len(model) % pp_size:
+            raise PipelineError(
+                f"{len(model)} stage modules cannot be spread evenly over {pp_size} pp ranks"
+            )
+        return len(model) // pp_size
+    return given
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """How every stage runs: its loss, autocast dtype, checkpointing policy and compile
+    options (as ``compile_options`` returns them)."""
+
+    loss_fn: Callable[..., Any] | None
+    autocast: torch.dtype | None
+    recompute: Policy
+    compile: dict[str, Any] | None
+
+
+def build_runners(
+    runners: dict[int, StageRunner],
+    modules: list[nn.Module],
+    sched: Schedule,
+    topo: Topology,
+    spmd: Spmd,
+    timeout: float,
+    training: bool,
+    opts: StageOptions,
+) -> None:
+    """Add to ``runners`` one StageRunner per stage of this rank: its module moved to the
+    device, wrapped for SPMD, in ``training`` mode, checkpointed and compiled."""
+    spmd.check(modules, sched.placement)
+    for s in sched.stages_of(topo.pp_rank):
+        module = spmd.wrap(s, modules[s].to(topo.device), timeout)
+        module.train(training)
+        full = apply_policy(module, opts.recompute, s)
+        compiled = compile_stage(module, opts.compile, split=spmd.dp != "fsdp")
+        replay, fused = backward_plan(opts.recompute, full, compiled, spmd.dp)
+        runners[s] = StageRunner(
+            s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,
+            loss_fn=opts.loss_fn, autocast=opts.autocast, recompute=full, replay=replay,
+            fused_backward=fused, split_compiled=compiled == "split",
+        )  # fmt: skip
+
+
+def split_whole(
+    whole: WholeModel | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    sched: Schedule,
+    topo: Topology,
+    mesh: DeviceMesh | Sequence[DeviceMesh],
+    pp_axis: str,
+    chunk_spec: ChunkSpec | None,
+) -> list[nn.Module] | None:
+    """The stage modules of a whole model, split once its inputs are known (collective;
+    see meshpipe.split), or None where there is nothing (more) to split."""
+    if whole is None or not whole.pending or (whole.stages is None and not args):
+        return None
+    local = sched.stages_of(topo.pp_rank)
+    mbs = split_microbatches(args, kwargs, None, sched.num_microbatches, chunk_spec)
+    first = (mbs.args[0], mbs.kwargs[0])  # the example for a static-shape export
+    return whole.build(args, kwargs, local, sched.placement, mesh, pp_axis, topo.device, first)

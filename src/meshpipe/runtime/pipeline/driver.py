@@ -1,0 +1,342 @@
+"""The step's driver: a call checked, its transfers posted, its actions run and its
+reductions done, and a failed step turned into one error on every rank (the closing
+collective, the culprit, the ``meshpipe-status`` report)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
+from meshpipe.runtime.checks.agree import CallCheck
+from meshpipe.runtime.failures.closing import failed_elsewhere, join_failed
+from meshpipe.runtime.failures.culprit import Blame
+from meshpipe.runtime.failures.waits import Watchdog, translate
+from meshpipe.runtime.mesh.spmd import Spmd
+from meshpipe.runtime.mesh.stage_meshes import local_part
+from meshpipe.runtime.mesh.topology import Topology, pp_channels
+from meshpipe.runtime.step.accumulate import Accumulator
+from meshpipe.runtime.step.executor import ActionRecord, RankStatus, run_actions
+from meshpipe.runtime.step.microbatch import (
+    ChunkSpec,
+    Microbatches,
+    input_signature,
+    split_microbatches,
+)
+from meshpipe.runtime.step.reduce import reduce_grads, reduce_loss, reduce_metrics
+from meshpipe.runtime.step.stage import StageRunner
+from meshpipe.runtime.transfer.channels import Channels
+from meshpipe.runtime.transfer.descs import DescCache
+from meshpipe.runtime.transfer.p2p import Comm
+from meshpipe.runtime.transfer.reader import Reader
+from meshpipe.schedule.ir import Schedule
+from meshpipe.schedule.program import P2P, program_positions
+from meshpipe.split.guards import check_traced_shapes
+from meshpipe.split.whole import WholeModel
+
+__all__ = ["StepDriver"]
+
+log = logging.getLogger(__name__)
+
+
+class StepDriver:
+    """What a Pipeline keeps from one step to the next to run them: the pp channels, the
+    descriptions both ends of each stream know, the ctrl readers, the call check, and what
+    the last step did (its transfers, action times, status, and why the pipeline is broken
+    if a step failed)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        mesh: DeviceMesh | Sequence[DeviceMesh],
+        timeout: float,
+        check_inputs: str,
+        spmd: Spmd,
+        accumulate: Accumulator,
+    ) -> None:
+        topo = self.topology = topology
+        self.timeout = timeout
+        self.spmd = spmd
+        self.accumulate = accumulate
+        self.programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
+        self.channels: Channels = pp_channels(topo)
+        self.calls = CallCheck(
+            check_inputs, self.channels.ctrl, len(topo.layout.ranks), topo.layout.me,
+            timeout, topo.layout, self.channels.data, topo.device,
+        )  # fmt: skip
+        self.descs = DescCache()
+        self.readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
+        self.watchdog = Watchdog() if topo.device.type == "cuda" else None
+        self.comm_now: Comm | None = None
+        self.broken: str | None = None  # why this pipeline's groups can no longer be used
+        self.records: list[ActionRecord] = []
+        self.last_mbs = Microbatches([], [], [], [])  # this process's, of the last call
+        self.whole_rows: list[int] = []  # rows of each whole microbatch of the last call
+        self.status = RankStatus()
+        self.blame = Blame(topo, mesh, timeout)  # names the culprit of a failed call
+        self.steps = 0
+
+    def check_call(
+        self,
+        call: str,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        modes: tuple[bool, bool],
+        has_loss: bool,
+        split_pending: bool,
+    ) -> Callable[[], None]:
+        """Start checking a call (``modes``: the pipeline's train mode, and whether this call
+        trains); returns the gate that finishes the checks (see Pipeline._check_call)."""
+        self.blame.begin()
+        if self.broken is not None:
+            raise PipelineError(
+                f"this Pipeline cannot run any more: {self.broken}; its transfers may be out "
+                "of step with the other ranks' (after a timeout gloo closes the connections), "
+                "so restart the job (or build a new Pipeline on a new process group)"
+            )
+        mode, training = modes
+        gate = self.calls.start(call, schedule, args, kwargs, target, mode, training, has_loss)
+        if split_pending:
+            gate()  # the split is collective: agree before it
+            return lambda: None
+        return gate
+
+    def _comm(self, schedule: Schedule, signatures: list[Any], rows: list[int]) -> Comm:
+        topo = self.topology
+        key = id(schedule)
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = program_positions(schedule, topo.pp_rank)
+        comm = Comm(
+            self.channels, topo.layout.me, self.timeout, topo.device, self.descs, signatures,
+            self.watchdog, self.readers, topo.layout, rows, topo.tp_mesh,
+        )  # fmt: skip
+        comm.begin(*program, schedule.placement)
+        return comm
+
+    def _prepare(
+        self,
+        schedule: Schedule,
+        runners: dict[int, StageRunner],
+        call: tuple[tuple[Any, ...], dict[str, Any], Any],
+        training: bool,
+        gate: Callable[[], None],
+        chunk_spec: ChunkSpec | None,
+    ) -> tuple[Microbatches, list[Any], list[int]]:
+        """This process's microbatches of a call, and the signatures and rows of the whole
+        ones (equal on every process, also where dp parts differ)."""
+        args, kwargs, target = call
+        try:
+            whole = split_microbatches(args, kwargs, target, schedule.num_microbatches, chunk_spec)
+            mbs = local_part(self.topology.layout, whole, chunk_spec)
+            stages = [runners[s].module for s in sorted(runners)]
+            check_traced_shapes(stages, mbs.args, mbs.kwargs)  # before any transfer
+            self.whole_rows = whole.sizes
+        except Exception:
+            gate()  # a difference between the ranks is the better message, and is collective
+            raise
+        self.last_mbs = mbs
+        for r in runners.values():
+            r.reset()
+        signatures = [
+            (training, input_signature(a, k)) for a, k in zip(whole.args, whole.kwargs, strict=True)
+        ]
+        return mbs, signatures, whole.sizes
+
+    def run(
+        self,
+        schedule: Schedule,
+        runners: dict[int, StageRunner],
+        call: tuple[tuple[Any, ...], dict[str, Any], Any],
+        training: bool,
+        gate: Callable[[], None],
+        chunk_spec: ChunkSpec | None,
+        before_finish: Callable[[], None] | None = None,
+    ) -> dict[int, Any]:
+        """Run ``schedule``'s actions on ``call`` (args, kwargs, target), then
+        ``before_finish`` (failing there is failing in the step); a failed step joins the
+        closing collective (runtime/failures/closing.py) and raises its error."""
+        mbs, signatures, rows = self._prepare(schedule, runners, call, training, gate, chunk_spec)
+        comm = self._comm(schedule, signatures, rows)
+        comm.gate = gate
+        self.status = RankStatus(phase="pipeline")
+        # the usual step reduces as stages finish; accumulation reduces at the end
+        hooks = self.spmd.hooks(schedule, self.topology.pp_rank, sync=self.accumulate.usual)
+        before, after = hooks if training else ({}, {})
+        if training:
+            self.spmd.begin_step()
+        self.comm_now = comm
+        try:
+            losses, self.records = run_actions(
+                schedule,
+                self.topology.pp_rank,
+                runners,
+                mbs,
+                comm,
+                training,
+                status=self.status,
+                hooks=after,
+                pre_hooks=before,
+            )
+            if before_finish is not None:
+                before_finish()
+            comm.finish()
+        except BaseException as e:
+            closes_on_loss = training or call[2] is not None
+            err = self._failed(e, comm, training, closes_on_loss)
+            if err is e:
+                raise
+            raise err from e
+        return dict(losses)
+
+    def _failed(
+        self, e: BaseException, comm: Comm, training: bool, closes_on_loss: bool
+    ) -> BaseException:
+        """What a step that failed with ``e`` raises, once every peer was told of it."""
+        if comm.gate is not None:  # failed before the gate: a refusal explains it better
+            try:
+                comm.pass_gate()
+            except PipelineError as refusal:
+                comm.close_refused()
+                return refusal
+        if getattr(e, "meshpipe_refusal", False):  # refused on every rank, nothing moved
+            comm.close_refused()
+            return e
+        # after a failed step the channels' state is not proven consistent (a timeout
+        # closes gloo's connections; a failure leaves ctrl readers to drain): no reuse
+        what = "timed out" if isinstance(e, CommTimeoutError) else "failed"
+        self.broken = f"an earlier step {what} ({type(e).__name__}: {str(e)[:300]})"
+        self.blame.claim_first(e)  # before any peer hears of it (runtime/failures/culprit.py)
+        cause = comm.remote_cause()
+        comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
+        if isinstance(e, Exception) and not isinstance(e, CommTimeoutError):
+            # step and eval_step close on the loss, forward on a status (closing.py)
+            dp = not self.spmd.collectives_in_actions(training, self.accumulate.usual)
+            join_failed(self.topology, closes_on_loss, self.timeout, dp)
+        self.descs = DescCache()  # descriptions are unknown after a broken step
+        if isinstance(e, CommTimeoutError) and getattr(cause, "peer_waited", False):
+            e.args = (f"{e}; meanwhile: {cause}",)  # both waited in one hang: keep both
+            cause = None
+        for err in (e, cause):
+            self.blame.named(err)
+        report = self.report()
+        log.error("meshpipe-status %s", json.dumps(report))
+        if cause is not None and cause is not e and not isinstance(e, RemoteStageError):
+            # this rank failed on values a failed peer had zero-filled: report the peer
+            cause.meshpipe_status = report  # type: ignore[attr-defined]
+            return cause
+        e.meshpipe_status = report  # type: ignore[attr-defined]
+        return e
+
+    def stop_if_failed(self, failures: torch.Tensor | int) -> None:
+        """Raise if a process joined the step's closing collective as failed."""
+        why = failed_elsewhere(failures, self.topology.device, self.topology.pp_rank)
+        if why:
+            self.broken = f"an earlier step failed ({why})"
+            raise self.blame.named(RemoteStageError(why))
+
+    def reduce(
+        self,
+        losses: dict[int, Any],
+        params: list[nn.Parameter],
+        gs: float,
+        whole: WholeModel | None,
+        contributes: bool,
+    ) -> torch.Tensor:
+        """End of step: the loss agreed over pp and dp, gradients reduced (over dp, unless
+        in no_sync) and scaled by the loss normalisation times ``gs`` (grad_scale)."""
+        spmd, acc, topo, watchdog = self.spmd, self.accumulate, self.topology, self.watchdog
+        factor = spmd.finish_step(self.timeout, watchdog)
+        loss, scale, failures = reduce_loss(
+            losses, contributes, topo.pp_group, topo.dp_group, topo.device,
+            timeout=self.timeout, watchdog=watchdog, stage_meshes=topo.stage_meshes,
+        )  # fmt: skip
+        self.stop_if_failed(failures)
+        if whole is not None and not topo.stage_meshes:
+            whole.sync_grads()  # tied weights: sum over the stages holding them
+        dp_group = topo.dp_group
+        if spmd.uses_fsdp:
+            acc.check_uniform(scale * gs)
+        if not acc.usual:
+            acc.reduce(params, scale * gs, dp_group, self.timeout, watchdog)
+        elif spmd.grads_summed_elsewhere:
+            reduce_grads(params, scale * factor * gs, None)
+        else:
+            reduce_grads(params, scale * gs, dp_group, self.timeout, watchdog)
+        if whole is not None and topo.stage_meshes:
+            whole.sync_grads()  # stage meshes: after dp, as whole-mesh means
+        return loss
+
+    def reduce_failed(self, e: BaseException) -> BaseException:
+        """The error a failure in the end-of-step reductions raises, reported."""
+        # torch's own collectives (FSDP2) speak gloo's words
+        err = translate(e, f"rank {self.topology.pp_rank}: the end-of-step reductions")
+        self.blame.failed(err)  # claim or name the culprit (runtime/failures/culprit.py)
+        report = self.report()
+        log.error("meshpipe-status %s", json.dumps(report))
+        self.broken = f"an earlier step failed ({type(err).__name__}: {str(err)[:300]})"
+        err.meshpipe_status = report  # type: ignore[attr-defined]
+        return err
+
+    def reduce_eval(
+        self, records: Any, metrics: Any, src: int, contributes: bool, with_metrics: bool
+    ) -> tuple[torch.Tensor, Any]:
+        """End of an eval step: the loss agreed over pp and dp, then (``with_metrics``) the
+        metrics, sent from global rank ``src`` (the last stage's), reduced alike."""
+        topo = self.topology
+        loss, _, failures = reduce_loss(
+            records, contributes, topo.pp_group, topo.dp_group, topo.device,
+            timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
+        )  # fmt: skip
+        self.stop_if_failed(failures)
+        self.done()
+        if not with_metrics:
+            return loss, None
+        reduced = reduce_metrics(
+            metrics, src, self.channels.ctrl, topo.pp_group, topo.dp_group, topo.device,
+            self.timeout, contributes, topo.stage_meshes, self.watchdog,
+        )  # fmt: skip
+        return loss, reduced
+
+    def done(self) -> None:
+        """A call ended well."""
+        self.status.phase = "idle"
+        self.steps += 1
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Bytes moved in the last step (see Pipeline.comm_stats)."""
+        comm = self.comm_now
+        return {
+            "pp_bytes_sent": 0 if comm is None else comm.bytes_sent,
+            "boundary_bytes": {} if comm is None else comm.boundary_bytes(),
+            "dp_bytes": self.spmd.dp_bytes_per_step,
+            "dp_bytes_min": self.spmd.dp_bytes_min,
+        }
+
+    def report(self) -> dict[str, Any]:
+        """What this rank is doing (or was doing when it failed), as a JSON-able dict."""
+        topo = self.topology
+        st = self.status
+        peer = st.waiting_for
+        return {
+            "global_rank": dist.get_rank() if dist.is_initialized() else 0,
+            "pp_rank": topo.pp_rank,
+            "coords": dict(topo.coords),
+            "step": self.steps,
+            "phase": st.phase,
+            "action": None if st.action is None else str(st.action),
+            "mb": None if st.action is None else st.action.mb,
+            "waiting_for_pp_rank": peer,
+            "waiting_for_global_rank": None if peer is None else topo.pp_global_ranks[peer],
+            # who failed first, once known (runtime/failures/culprit.py)
+            "culprit": self.blame.claim,
+        }
