@@ -30,14 +30,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
-from meshpipe.runtime.failures.waits import Watchdog, translate, wait_work
+from meshpipe.runtime.failures.waits import Watchdog
 from meshpipe.runtime.mesh.layout import (
     Layout,
     Piece,
@@ -47,19 +45,14 @@ from meshpipe.runtime.mesh.layout import (
     join_values,
     part_rows,
 )
-from meshpipe.runtime.step.pytree import unflatten
 from meshpipe.runtime.transfer import wire
-from meshpipe.runtime.transfer.channels import Channels, Op, post_ops
-from meshpipe.runtime.transfer.descs import (
-    Desc,
-    DescCache,
-    DescKey,
-    desc_bytes,
-    describe,
-    show_desc,
-)
+from meshpipe.runtime.transfer.channels import Channels, Op
+from meshpipe.runtime.transfer.descs import Desc, DescCache
+from meshpipe.runtime.transfer.failing import notify, play_out_ops, remote_error, run_play_out
 from meshpipe.runtime.transfer.lookahead import RecvAhead, lookahead_budget
 from meshpipe.runtime.transfer.reader import Reader
+from meshpipe.runtime.transfer.streams import Recv, Streams
+from meshpipe.runtime.transfer.transport import Transport
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.program import P2P
 
@@ -67,26 +60,15 @@ __all__ = ["Comm"]
 
 log = logging.getLogger(__name__)
 
-_MAX_IN_FLIGHT = 16  # sends kept pending before the oldest is waited for
-
-
-@dataclass
-class _Recv:
-    peer: int
-    transfer: Transfer
-    key: DescKey
-    desc: Desc | None  # None: the value comes whole on ctrl
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    op_indices: list[int] = field(default_factory=list)  # its operations in the group's batch
-    works: list[Any] = field(default_factory=list)
-
 
 class Comm:
     """This rank's transfers for one step, following its part of the p2p program.
 
     Peers are process indices of ``layout`` (on a uniform mesh: pp ranks). Each transfer of
     the program moves as the layout's pieces (one whole piece unless two stage meshes cut a
-    microbatch's ``rows`` differently); the executor puts and takes whole values."""
+    microbatch's ``rows`` differently); the executor puts and takes whole values. Values
+    move on streams (transfer/streams.py), over this process's channels
+    (transfer/transport.py); a failed step's notices and play-out: transfer/failing.py."""
 
     def __init__(
         self,
@@ -115,19 +97,11 @@ class Comm:
         self._dp = self.layout.shape(self._pp)[0]
         self.timeout = timeout
         self.device = device
-        self.cache = cache
-        self.signatures = [cache.intern(sig) for sig in signatures]
         self._all_readers = {} if readers is None else readers  # the Pipeline's, by peer
-        self.bytes_sent = 0
-        # tensor bytes this process sent per (kind, peer process), headers excluded
-        self._sent_to: dict[tuple[str, int], int] = {}
-        self.ctrl_values_sent = 0  # values sent whole on ctrl (new description keys)
-        self.peak_pending_sends = 0  # most sends posted and not yet waited for, at once
         self.posted: list[tuple[P2P, ...]] = []  # every group posted, for tests and traces
         self._program: dict[int, list[tuple[P2P, ...]]] = {}
         self._outbox: dict[tuple[int, Transfer], Any] = {}
-        self._recvs: dict[tuple[int, Transfer], _Recv] = {}
-        self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
+        self._recvs: dict[tuple[int, Transfer], Recv] = {}
         self._readers: dict[int, Reader] = {}
         self._links: set[int] = set()  # peers exchanging end markers and failure notices
         self._ended: set[int] = set()  # links whose end markers were exchanged, this step
@@ -139,16 +113,28 @@ class Comm:
         # (sends too) before the next is posted; on gloo, where large sends are rendezvous,
         # a program that is not deadlock-free then hangs for real
         self.strict = os.environ.get("MESHPIPE_P2P_STRICT", "") == "1"
+        self.io = Transport(channels, rank, timeout, watchdog, self.strict)
+        self.streams = Streams(cache, signatures, device, self.io)
         # gloo: the step's receives posted with its first group (runtime/transfer/lookahead.py);
         # NCCL and strict mode post the program exactly as written
         self._ahead = RecvAhead(0 if channels.batched or self.strict else lookahead_budget())
         self._last_group: list[Any] = []
-        self._waited: dict[int, Any] = {}  # id -> work (kept alive so ids stay unique)
         self.orphans: list[Any] = []  # unfinished works of an aborted step (see abort)
-        # descriptions first seen this step; the cache is only updated when the step ends
-        # well, so both ends of a stream decide "new or known" from the same state
-        self._new_send: dict[DescKey, Desc] = {}
-        self._new_recv: dict[DescKey, Desc] = {}
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this process sent this step on the pp axis, headers included."""
+        return self.streams.bytes_sent
+
+    @property
+    def ctrl_values_sent(self) -> int:
+        """Values sent whole on ctrl this step (new description keys)."""
+        return self.streams.ctrl_values_sent
+
+    @property
+    def peak_pending_sends(self) -> int:
+        """The most sends posted and not yet waited for, at once."""
+        return self.io.peak_pending_sends
 
     # -- lifecycle --------------------------------------------------------------------
     def begin(
@@ -175,7 +161,7 @@ class Comm:
             if mine:
                 self._program.setdefault(position, []).append(mine)
         groups = [g for p in sorted(self._program) for g in self._program[p]]
-        self._ahead.load(groups, self._recv_bytes)
+        self._ahead.load(groups, self.streams.recv_bytes)
         # the ctrl links of the step: every peer this process sends to or receives from, in
         # both directions, so that a failure reaches every peer, also upstream of it in a
         # forward-only step (which sends nothing back); in training the pairs are the same
@@ -191,13 +177,13 @@ class Comm:
         """End of step: sends done, end markers exchanged with every peer."""
         self.pass_gate()
         deadline = time.monotonic() + self.timeout
-        for work, _tensors, peer in self._sends:
-            self._wait(work, deadline, "send", peer)
-        self._sends.clear()
+        for work, _tensors, peer in self.io.sends:
+            self.io.wait(work, deadline, "send", peer)
+        self.io.sends.clear()
         end = wire.end_marker()
-        markers = [(self._ctrl_send(p, end), p) for p in self._links]
+        markers = [(self.io.ctrl_send(p, end), p) for p in self._links]
         for work, peer in markers:
-            self._wait(work, deadline, "end-of-step marker", peer)
+            self.io.wait(work, deadline, "end-of-step marker", peer)
         for peer, reader in self._readers.items():
             kind, _ = reader.next(deadline, "the end of the step")
             if kind != "end":
@@ -209,8 +195,7 @@ class Comm:
         if self._watchdog is not None:
             self._watchdog.check()
         self._readers.clear()
-        self.cache.send.update(self._new_send)
-        self.cache.recv.update(self._new_recv)
+        self.streams.commit()
 
     # -- the program --------------------------------------------------------------------
     def pass_gate(self) -> None:
@@ -227,8 +212,8 @@ class Comm:
         """End a step refused at its gate (on every rank alike): end markers only."""
         deadline = time.monotonic() + min(self.timeout, 30.0)
         end = wire.end_marker()
-        for work in [self._ctrl_send(p, end) for p in self._links]:
-            self._wait(work, deadline, "end-of-step marker", -1)
+        for work in [self.io.ctrl_send(p, end) for p in self._links]:
+            self.io.wait(work, deadline, "end-of-step marker", -1)
         for reader in self._readers.values():
             try:
                 reader.next(deadline, "the end of a refused step")
@@ -249,22 +234,22 @@ class Comm:
         if self.strict:
             deadline = time.monotonic() + self.timeout
             for work in self._last_group:
-                self._wait(work, deadline, "the previous group (strict mode)", -1)
+                self.io.wait(work, deadline, "the previous group (strict mode)", -1)
         ops: list[Op] = []
-        recvs: list[_Recv] = []
+        recvs: list[Recv] = []
         posted = []  # what is posted now: sends first, then receives in program order
         for op in group:
             if op.op == "send":
-                self._prepare_send(op, self._outbox.pop((op.peer, op.transfer)), ops)
+                self.streams.send(op, self._outbox.pop((op.peer, op.transfer)), ops)
                 posted.append(op)
         ahead = self._ahead.ahead()  # with the step's first group only
         due = [op for op in group if op.op == "recv" and self._ahead.due(op)]
         for op in (*ahead, *due):
-            recvs.append(self._prepare_recv(op, ops))
+            recvs.append(self.streams.recv(op, ops))
             posted.append(op)
         if not posted:
             return
-        works = self._issue(ops)
+        works = self.io.issue(ops)
         self._last_group = works
         for r in recvs:
             r.works = [works[k] for k in r.op_indices]
@@ -316,7 +301,7 @@ class Comm:
     def boundary_bytes(self) -> dict[str, int]:
         """Tensor bytes this process sent per boundary, as ``"act 0->1"`` (pp ranks)."""
         out: dict[str, int] = {}
-        for (kind, peer), n in self._sent_to.items():
+        for (kind, peer), n in self.streams.sent_to.items():
             where = f"{kind} {self._pp}->{self.layout.place(peer)[0]}"
             out[where] = out.get(where, 0) + n
         return out
@@ -340,77 +325,13 @@ class Comm:
                 peer=r.peer,
             ) from e
 
-    # -- sending --------------------------------------------------------------------------
-    def _key(self, peer: int, t: Transfer) -> DescKey:
-        return (peer, t.kind, t.src_stage, t.dst_stage, self.signatures[t.mb])
-
-    def _prepare_send(self, op: P2P, value: Any, ops: list[Op]) -> None:
-        tensors, desc = describe(value)
-        key = self._key(op.peer, op.transfer)
-        stream = (op.transfer.kind, op.peer)
-        payload = 0
-        for x in tensors:
-            payload += x.numel() * x.element_size()
-        self._sent_to[stream] = self._sent_to.get(stream, 0) + payload
-        known = self.cache.send.get(key)
-        if known is None:  # a key new this step: the whole value on ctrl, described
-            earlier = self._new_send.setdefault(key, desc)
-            if earlier != desc:
-                raise self._changed(op.transfer, desc, earlier)
-            buf = wire.pack(op.transfer, value)  # copies to the host: not steady state
-            header = wire.make_header({"n": buf.numel()})
-            self._sends.append((self._ctrl_send(op.peer, header), [header], op.peer))
-            self._sends.append((self._ctrl_send(op.peer, buf), [buf], op.peer))
-            self.bytes_sent += header.numel() + buf.numel()
-            self.ctrl_values_sent += 1
-            return
-        if known is not desc and known != desc:
-            raise self._changed(op.transfer, desc, known)
-        self.bytes_sent += payload
-        for t in tensors:
-            if t.numel():
-                ops.append(("send", t.contiguous(), op.peer))
-
-    def _changed(self, transfer: Transfer, desc: Desc, before: Desc) -> PipelineError:
-        return PipelineError(
-            f"{transfer} has {show_desc(desc)} but an earlier microbatch with inputs of the same "
-            f"shapes gave {show_desc(before)}: values crossing stage boundaries must have shapes, "
-            "dtypes and structure that depend only on the shapes of the inputs"
-        )
-
-    # -- receiving ------------------------------------------------------------------------
-    def _recv_bytes(self, op: P2P) -> int:
-        """Bytes of the buffers a receive allocates (0: its value comes whole on ctrl)."""
-        desc = self.cache.recv.get(self._key(op.peer, op.transfer))
-        if desc is None:
-            return 0
-        return desc_bytes(desc)
-
-    def _prepare_recv(self, op: P2P, ops: list[Op]) -> _Recv:
-        key = self._key(op.peer, op.transfer)
-        desc = self.cache.recv.get(key)
-        r = _Recv(op.peer, op.transfer, key, desc)
-        if desc is not None:
-            for dtype, shape, _rg in desc.leaves:
-                buf = torch.empty(shape, dtype=dtype, device=self.device)
-                r.buffers.append(buf)
-                if buf.numel():
-                    r.op_indices.append(len(ops))
-                    ops.append(("recv", buf, op.peer))
-        return r
-
-    def _take_data(self, r: _Recv, desc: Desc, deadline: float, doing: object) -> Any:
+    def _take_data(self, r: Recv, desc: Desc, deadline: float, doing: object) -> Any:
         for work in r.works:  # on CUDA a stream wait, bounded by the watchdog
-            self._wait(work, deadline, lambda: f"{doing}: receive", r.peer)
+            self.io.wait(work, deadline, lambda: f"{doing}: receive", r.peer)
         self._raise_remote_error()
-        leaves = []
-        for buf, (_dt, _shape, rg) in zip(r.buffers, desc.leaves, strict=True):
-            if rg and buf.is_floating_point():
-                buf.requires_grad_(True)
-            leaves.append(buf)
-        return unflatten(leaves, desc.spec)
+        return self.streams.data_value(r, desc)
 
-    def _take_whole(self, r: _Recv, deadline: float, doing: object) -> Any:
+    def _take_whole(self, r: Recv, deadline: float, doing: object) -> Any:
         reader = self._readers[r.peer]
         _kind, (got, value) = reader.next(deadline, f"{r.transfer} in {doing}")
         if got != r.transfer:
@@ -418,24 +339,11 @@ class Comm:
                 f"rank {self.rank} expected {r.transfer} from rank {r.peer} but received {got}: "
                 "the ranks are running different schedules or microbatch counts"
             )
-        tensors, desc = describe(value)
-        self._new_recv.setdefault(r.key, desc)
-        moved = [
-            t.detach().to(self.device).requires_grad_(rg and t.is_floating_point())
-            for t, (_d, _s, rg) in zip(tensors, desc.leaves, strict=True)
-        ]
-        return unflatten(moved, desc.spec)
+        return self.streams.whole_value(r, value)
 
     # -- failure ----------------------------------------------------------------------
     def remote_error(self, fields: dict[str, Any]) -> RemoteStageError:
-        err = RemoteStageError(
-            f"rank {self.rank} stopped: rank {fields['r']} failed: {fields['e']}"
-        )
-        # a peer that itself timed out, or lost its connection (a timeout elsewhere closes
-        # gloo's connections), explains nothing to a rank that timed out too: both waited in
-        # the same hang, and that rank reports its own timeout
-        err.peer_waited = str(fields["e"]).startswith(("CommTimeoutError", "RemoteStageError"))  # type: ignore[attr-defined]
-        return err
+        return remote_error(self.rank, fields)
 
     def _raise_remote_error(self) -> None:
         for reader in self._readers.values():
@@ -460,146 +368,26 @@ class Comm:
         that reported a failure themselves get no notice and are not waited for: they are
         stopping (and may be gone), so a wait on them would only delay this rank's error."""
         failed = {p for p, r in self._readers.items() if r.reported()}
-        notices = []
         # a link whose end markers were exchanged reads no more this step: it learns of the
         # failure from the step's closing collective (Pipeline), not from a notice
-        for peer in sorted(self._links - failed - self._ended):
-            try:
-                msg = wire.make_header({"e": reason, "r": self.rank})
-                notices.append((self._ctrl_send(peer, msg), peer))
-            except Exception:  # the peer may be gone already
-                log.debug("could not notify rank %d of the failure", peer, exc_info=True)
-        ops: list[Op] = []
-        rest = (
-            []
-            if not play_out
-            else [
-                g
-                for p in sorted(self._program)
-                if p >= self._next_position
-                for g in self._program[p]
-            ]
-        )
-        not_posted = self._ahead.pending()
-        for group in rest:
-            for op in group:
-                if op.op == "recv" and op not in not_posted:
-                    continue  # posted ahead of its group already
-                key = self._key(op.peer, op.transfer)
-                desc = (self.cache.send if op.op == "send" else self.cache.recv).get(key)
-                for dtype, shape, _rg in desc.leaves if desc is not None else ():
-                    buf = torch.zeros(shape, dtype=dtype, device=self.device)
-                    if buf.numel():
-                        ops.append((op.op, buf, op.peer))
-        pending = [(w, p) for w, _t, p in self._sends] if play_out else []
-        try:
-            pending += [(w, op[2]) for w, op in zip(self._issue(ops), ops, strict=True)]
-        except Exception:
-            log.debug("could not play out the program", exc_info=True)
-        deadline = time.monotonic() + min(self.timeout, 10.0)
-        for work, peer in notices:
-            try:
-                self._wait(work, deadline, "failure notice", peer)
-            except Exception:
-                log.debug("failure notice to rank %d not delivered", peer, exc_info=True)
-        for work, peer in pending:
-            if peer in failed:
-                continue
-            try:
-                self._wait(work, deadline, "playing out the step after a failure", -1)
-            except Exception:
-                log.debug("a play-out transfer did not complete", exc_info=True)
+        notices = notify(self.io, sorted(self._links - failed - self._ended), reason)
+        later = [p for p in sorted(self._program) if p >= self._next_position]
+        rest = [g for p in later for g in self._program[p]] if play_out else []
+        ops = play_out_ops(rest, self._ahead.pending(), self.streams.known, self.device)
+        pending = run_play_out(self.io, notices, ops, failed, play_out)
         # keep the works of unfinished transfers alive with this Comm (the Pipeline keeps
         # the failed step's): gloo breaks a group whose pending receive is freed, and the
         # step's closing collective on that group then never completes (10 s lost per
         # failure before this)
         self.orphans = [
             *(w for r in self._recvs.values() for w in r.works),
-            *(w for w, _t, _p in self._sends),
+            *(w for w, _t, _p in self.io.sends),
             *(w for w, _p in pending),
         ]
-        self._sends.clear()
+        self.io.sends.clear()
         self._recvs.clear()
 
-    # -- transport --------------------------------------------------------------------
-    def _issue(self, ops: list[Op]) -> list[Any]:
-        if not ops:
-            return []
-        try:
-            return self._issue_ops(ops)
-        except RuntimeError as e:  # posting to a peer that is gone fails at once
-            peers = sorted({p for _k, _t, p in ops})
-            raise self._translated(e, "posting transfers", peers) from e
-
-    def _translated(self, e: RuntimeError, what: str, peers: Sequence[int]) -> BaseException:
-        names = " or ".join(
-            f"rank {p} (global rank {self.ch.global_ranks[p]})" for p in peers if p >= 0
-        )
-        return translate(
-            e,
-            f"rank {self.rank}: {what}",
-            rank=self.rank,
-            peer=peers[0] if len(peers) == 1 else None,
-            peer_name=names or None,
-        )
-
-    def _issue_ops(self, ops: list[Op]) -> list[Any]:
-        works = post_ops(self.ch, ops)
-        for w, (kind, t, peer) in zip(works, ops, strict=True):
-            if kind == "send":
-                self._sends.append((w, [t], peer))
-        self.peak_pending_sends = max(self.peak_pending_sends, len(self._sends))
-        while len(self._sends) > _MAX_IN_FLIGHT:
-            # free sent buffers as the step goes, not at its end (the validator's model
-            # waits for every group before the next, so waiting for an old send is safe)
-            old, _tensors, peer = self._sends.pop(0)
-            self._wait(old, time.monotonic() + self.timeout, "send", peer)
-        return works
-
-    def _ctrl_send(self, peer: int, buf: torch.Tensor) -> Any:
-        try:
-            return dist.isend(buf, dst=self.ch.global_ranks[peer], group=self.ch.ctrl)
-        except RuntimeError as e:
-            raise self._translated(e, "sending a control message", [peer]) from e
-
     def ctrl_recv(self, peer: int, size: int) -> torch.Tensor:
-        """The next control message from ``peer`` (its reader thread only). No timeout here:
-        a reader may wait a whole step for the end marker; the main thread bounds its own
-        waits on the reader's queue."""
-        buf = torch.empty(size, dtype=torch.uint8)
-        try:
-            work = dist.irecv(buf, src=self.ch.global_ranks[peer], group=self.ch.ctrl)
-            if work is not None:
-                work.wait()
-        except RuntimeError as e:
-            raise self._translated(e, "receiving a control message", [peer]) from e
-        return buf
-
-    def _wait(self, work: Any, deadline: float, what: str | Callable[[], str], peer: int) -> None:
-        # gloo's point-to-point works wait for one more completion on every wait() call, so
-        # a work is never waited for twice: by construction (receives in take, sends once
-        # popped from _sends), and in strict mode, which also waits for whole groups, by id
-        if self.strict:
-            if id(work) in self._waited:
-                return
-            self._waited[id(work)] = work
-
-        def text() -> str:  # peer -1: a whole group, or a play-out, with any peer
-            with_peer = f" with rank {peer}" if peer >= 0 else ""
-            return f"rank {self.rank}: {what if isinstance(what, str) else what()}{with_peer}"
-
-        if self._watchdog is not None:  # device work: never block the host on it
-            work.wait()
-            self._watchdog.watch(work, deadline, text)
-            return
-        wait_work(
-            work,
-            deadline - time.monotonic(),
-            text,  # formatted only for an error: this is the hot path
-            rank=self.rank,
-            peer=peer if peer >= 0 else None,
-            peer_name=None
-            if peer < 0
-            else lambda: f"rank {peer} (global rank {self.ch.global_ranks[peer]})",
-            awaited=self.ch.global_ranks[peer] if peer >= 0 else None,
-        )
+        """The next control message from ``peer`` (its reader thread only; see
+        Transport.ctrl_recv)."""
+        return self.io.ctrl_recv(peer, size)
