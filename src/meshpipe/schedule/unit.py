@@ -85,15 +85,13 @@ def links(schedule: Schedule) -> tuple[list[Link], list[Link]]:
 
 def unit_program(schedule: Schedule) -> Placed | None:
     """The program's operations, placed by the unit-time replay (see :data:`Placed`); None
-    where that replay fails (a receive gets another message than it names, a rank never
-    finishes, a message is never received, one is sent twice), which
-    :func:`~meshpipe.schedule.replay.check_dataflow` and
-    :func:`~meshpipe.schedule.replay.replay` then report in detail.
+    where it fails (a receive gets another message than it names, a rank never finishes, a
+    message is never received or sent twice): check_dataflow and replay say what and where.
 
-    A receive waits here for the message it names rather than for the next one on its pair
-    of ranks, and checks that the messages of its pair arrive in the order they were sent:
-    a rank sends in the order of its keys, so the keys of their producers must rise. With
-    every message received, that makes the two the same."""
+    A receive waits for the message it names, not for the next one on its pair of ranks,
+    and checks that its pair's messages arrive in the order they were sent (a rank sends
+    in the order of its keys: their producers' keys must rise). With every message
+    received (see :func:`_complete`), that makes the two the same."""
     p, rows = schedule.num_ranks, schedule.actions
     fwd, bwd = links(schedule)
     pack = packing(schedule)
@@ -146,9 +144,15 @@ def unit_program(schedule: Schedule) -> Placed | None:
                     waiting[pout] = -1
             t += p
         clock[rank] = t
+    return placed if _complete(rows, keys, born, placed) else None
+
+
+def _complete(
+    rows: tuple[tuple[object, ...], ...], keys: Placed, born: list[int], placed: Placed
+) -> bool:
+    """Every rank ran its whole row, and every message sent was received: each receive
+    took a message sent (and none twice), so there are as many receives as sends."""
     if any(len(mine) != len(row) for mine, row in zip(keys, rows, strict=True)):
-        return None
+        return False
     sends = len(born) - born.count(-1)
-    if 2 * sends != sum(map(len, placed)):  # a message sent that is never received
-        return None
-    return placed
+    return 2 * sends == sum(map(len, placed))
