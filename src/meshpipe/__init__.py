@@ -43,8 +43,9 @@ _LAZY: dict[str, str] = {
 # submodules named in __all__; runtime, cli and testing also load on attribute access
 # (meshpipe.testing.run_on_ranks is public) but are not names to star-import. ``split`` is
 # the package, callable as its function (``meshpipe.split(model, ...)``), so that
-# ``meshpipe.split`` is the same object whether or not ``import meshpipe.split`` came first
-_PUBLIC_MODULES = {"schedule", "sim", "errors", "checkpoint", "split"}
+# ``meshpipe.split`` is the same object whether or not ``import meshpipe.split`` came first;
+# ``plan`` likewise (``meshpipe.plan(model, ...)``, the package, callable)
+_PUBLIC_MODULES = {"schedule", "sim", "errors", "checkpoint", "split", "plan"}
 _SUBMODULES = _PUBLIC_MODULES | {"runtime", "cli", "testing"}
 
 __all__ = sorted([*_LAZY, *_PUBLIC_MODULES, "__version__"])

@@ -17,7 +17,7 @@ from meshpipe.runtime.mesh.stage_meshes import is_stage_meshes, stage_topology
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.runtime.step.compiling import compile_stage
 from meshpipe.runtime.step.microbatch import ChunkSpec, split_microbatches
-from meshpipe.runtime.step.recompute import Policy, apply_policy, backward_plan
+from meshpipe.runtime.step.recompute import Policy, apply_policy, backward_plan, stage_policy
 from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.schedule.ir import Schedule
 from meshpipe.split.whole import WholeModel
@@ -72,7 +72,7 @@ class StageOptions:
 
     loss_fn: Callable[..., Any] | None
     autocast: torch.dtype | None
-    recompute: Policy
+    recompute: Policy | Sequence[Policy]  # one for every stage, or one per stage
     compile: dict[str, Any] | None
 
 
@@ -92,9 +92,10 @@ def build_runners(
     for s in sched.stages_of(topo.pp_rank):
         module = spmd.wrap(s, modules[s].to(topo.device), timeout)
         module.train(training)
-        full = apply_policy(module, opts.recompute, s)
+        policy = stage_policy(opts.recompute, s)
+        full = apply_policy(module, policy, s)
         compiled = compile_stage(module, opts.compile, split=spmd.dp != "fsdp")
-        replay, fused = backward_plan(opts.recompute, full, compiled, spmd.dp)
+        replay, fused = backward_plan(policy, full, compiled, spmd.dp)
         runners[s] = StageRunner(
             s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,
             loss_fn=opts.loss_fn, autocast=opts.autocast, recompute=full, replay=replay,

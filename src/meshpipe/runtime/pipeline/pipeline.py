@@ -33,6 +33,8 @@ from meshpipe.runtime.pipeline.building import (
 from meshpipe.runtime.pipeline.clipping import clip_grads
 from meshpipe.runtime.pipeline.driver import StepDriver
 from meshpipe.runtime.pipeline.evaluate import MetricsFn, eval_records
+from meshpipe.runtime.pipeline.from_plan import plan_arguments
+from meshpipe.runtime.pipeline.memory import SavedLedger, memory_stats
 from meshpipe.runtime.pipeline.modules import initial_mode, stage_modules
 from meshpipe.runtime.pipeline.schedules import Schedules
 from meshpipe.runtime.pipeline.trace import save_trace
@@ -96,7 +98,7 @@ class Pipeline:
         example_args: Sequence[Any] | None = None,
         example_kwargs: Mapping[str, Any] | None = None,
         autocast: torch.dtype | None = None,
-        activation_checkpointing: Policy = None,
+        activation_checkpointing: Policy | Sequence[Policy] = None,
         compile: CompileOption = False,
     ) -> None:
         self.check_inputs = check_mode(check_inputs, mesh)
@@ -112,6 +114,8 @@ class Pipeline:
         stages_per_rank = stages_per_rank_of(model, topo.pp_size, stages_per_rank)
         self._schedules = Schedules(schedule, topo.pp_size, num_microbatches, stages_per_rank)
         self.schedule = self._schedules.main
+        check_policy(activation_checkpointing, self.schedule.num_stages)
+        self._ledger: SavedLedger | None = None  # track_memory()
         plan = auto_tp_plan(model) if tp_plan == "auto" else tp_plan
         self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap)  # type: ignore[arg-type]
         self.loss_fn, self._loss_use = loss_fn, target_use(loss_fn)  # see step()'s check
@@ -135,6 +139,37 @@ class Pipeline:
         self._driver = StepDriver(
             topo, mesh, self.timeout, self.check_inputs, self._spmd, self._accumulate
         )
+
+    @classmethod
+    def from_plan(
+        cls, plan: Any, model: nn.Module, loss_fn: Callable[..., Any] | None = None, **kwargs: Any
+    ) -> Pipeline:
+        """The Pipeline a plan describes (``meshpipe.plan``; its ``to_dict()`` or an object
+        with its fields): builds the mesh (``init_mesh`` or ``init_stage_meshes``), the split,
+        schedule, microbatch count, dp mode and per-stage checkpointing; ``kwargs`` add to or
+        override them (docs/plan.md). Call on every process, as the constructor."""
+        mesh, planned = plan_arguments(plan)
+        return cls(model, mesh, loss_fn=loss_fn, **{**planned, **kwargs})
+
+    def track_memory(self, on: bool = True) -> None:
+        """Record the peak memory of the steps from now on (``memory_stats()``): on CPU a
+        ledger of the tensors saved for backward (the steps cost a little more while on),
+        on CUDA the allocator's peak, reset here."""
+        self._ledger = SavedLedger() if on else None
+        if on and self.topology.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.topology.device)
+
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """This process's bytes: params, grads, optimizer (state of ``optimizer``),
+        activations (peak saved for backward since ``track_memory()``, else None) and peak
+        (CUDA: the allocator's; CPU: their sum). See runtime/pipeline/memory.py."""
+        return memory_stats(list(self.parameters()), self._ledger, self.topology.device, optimizer)
+
+    def _tracked(self) -> contextlib.AbstractContextManager[None]:
+        if self._ledger is None or self.topology.device.type == "cuda":
+            return contextlib.nullcontext()
+        self._ledger.exclude(self.parameters())
+        return self._ledger.active()
 
     # -- construction helpers ----------------------------------------------------------
     def _build_runners(self, modules: list[nn.Module]) -> None:
@@ -301,7 +336,8 @@ class Pipeline:
         for p in params:
             p.grad = None
         try:
-            losses = self._driver.run(sched, self._runners, call, True, gate, self.chunk_spec)
+            with self._tracked():
+                losses = self._driver.run(sched, self._runners, call, True, gate, self.chunk_spec)
         except BaseException as e:
             if getattr(e, "meshpipe_refusal", False):  # nothing ran: gradients as they were
                 for p, old in zip(params, stash, strict=True):

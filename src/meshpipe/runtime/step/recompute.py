@@ -1,5 +1,6 @@
 """Activation checkpointing per stage or per block, applied after the split, keeping names.
 
+A list gives one policy per stage (``["full", None]``: only stage 0 recomputes).
 ``"full"`` recomputes each stage's forward in its backward (only the stage inputs are kept
 between F and B/I). A callable ``(qualified_name, module) -> bool`` picks submodules of
 the stage whose forward is recomputed instead (e.g. every transformer block, also on
@@ -19,18 +20,40 @@ from torch.utils.checkpoint import checkpoint
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["Policy", "check_policy", "apply_policy", "backward_plan", "Replay", "keeping_nothing"]
+__all__ = [
+    "Policy", "check_policy", "stage_policy", "apply_policy", "backward_plan", "Replay",
+    "keeping_nothing",
+]  # fmt: skip
 
 Policy = str | Callable[[str, nn.Module], bool] | None
 
 
-def check_policy(policy: Any) -> None:
+def check_policy(policy: Any, num_stages: int | None = None) -> None:
+    """None, "full", a callable, or (with ``num_stages``) a list of one of those per stage."""
+    if isinstance(policy, list | tuple):
+        if num_stages is not None and len(policy) != num_stages:
+            raise PipelineError(
+                f"activation_checkpointing has {len(policy)} entries but there are "
+                f"{num_stages} stages; give one per stage"
+            )
+        for p in policy:
+            if isinstance(p, list | tuple):
+                raise PipelineError(f"activation_checkpointing entries cannot nest: {p!r}")
+            check_policy(p)
+        return
     if policy is None or policy == "full" or callable(policy):
         return
     raise PipelineError(
-        f"activation_checkpointing must be None, 'full' or a callable "
-        f"(qualified_name, module) -> bool, got {policy!r}"
+        f"activation_checkpointing must be None, 'full', a callable "
+        f"(qualified_name, module) -> bool, or a list of those per stage, got {policy!r}"
     )
+
+
+def stage_policy(policy: Any, stage: int) -> Policy:
+    """The policy of one stage (a per-stage list's entry)."""
+    if isinstance(policy, list | tuple):
+        return policy[stage]  # type: ignore[no-any-return]
+    return policy  # type: ignore[no-any-return]
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

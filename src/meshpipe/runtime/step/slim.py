@@ -13,7 +13,7 @@ microbatch holds between its I and its W only what W needs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,7 +22,10 @@ from torch.autograd.graph import Node
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["Boxes", "keep_for_weights"]
+__all__ = ["Boxes", "keep_for_weights", "OBSERVERS"]
+
+# memory ledgers counting what boxes hold (runtime/pipeline/memory.py; empty unless tracking)
+OBSERVERS: list[Callable[[torch.Tensor], None]] = []
 
 
 class _Box:
@@ -45,6 +48,8 @@ class Boxes:
         # through C++ that nothing collects (autograd restores the history on unpack)
         box = _Box(t.detach())
         self._boxes.append(box)
+        for observe in OBSERVERS:
+            observe(t if box.tensor is None else box.tensor)
         return box
 
     def _unpack(self, box: _Box) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Pipeline.from_plan's reading of a plan: the mesh, schedule, split and checkpointing it names.
+
+A plan is read as its JSON-able fields (``plan.to_dict()``, that dict itself, or any object
+with the attributes documented in docs/plan.md), so the runtime never imports
+``meshpipe.plan``. Checked before any communication, from values equal on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from meshpipe.errors import PipelineError
+
+__all__ = ["FIELDS", "plan_fields", "plan_arguments"]
+
+FIELDS = (
+    "world_size", "pp", "dp", "tp", "schedule", "stages_per_rank", "num_microbatches",
+    "split_points", "activation_checkpointing",
+)  # fmt: skip
+
+
+def plan_fields(plan: Any) -> dict[str, Any]:
+    """The plan as a dict of its fields; PipelineError naming the missing ones."""
+    if hasattr(plan, "to_dict"):
+        data = dict(plan.to_dict())
+    elif isinstance(plan, Mapping):
+        data = dict(plan)
+    else:
+        data = {name: getattr(plan, name) for name in (*FIELDS, "stage_meshes", "dp_mode")
+                if hasattr(plan, name)}  # fmt: skip
+    missing = [name for name in FIELDS if name not in data]
+    if missing:
+        raise PipelineError(
+            f"Pipeline.from_plan: the plan lacks {missing}; give a meshpipe.plan Plan, its "
+            "to_dict(), or an object with those fields (docs/plan.md)"
+        )
+    return data
+
+
+def _world_size() -> int | None:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    import os
+
+    text = os.environ.get("WORLD_SIZE")
+    return int(text) if text and text.isdigit() else None
+
+
+def _checkpointing(flags: Any, num_stages: int) -> Any:
+    if not isinstance(flags, list | tuple) or len(flags) != num_stages:
+        raise PipelineError(
+            f"Pipeline.from_plan: activation_checkpointing must be one bool per stage "
+            f"({num_stages}), got {flags!r}"
+        )
+    if not any(flags):
+        return None
+    if all(flags):
+        return "full"
+    return ["full" if f else None for f in flags]
+
+
+def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
+    """(the mesh or stage meshes, built now; Pipeline's keyword arguments) of ``plan``."""
+    from meshpipe.runtime.mesh.stage_meshes import init_stage_meshes
+    from meshpipe.runtime.mesh.topology import init_mesh
+
+    data = plan_fields(plan)
+    world = _world_size()
+    if world is not None and world != data["world_size"]:
+        raise PipelineError(
+            f"Pipeline.from_plan: the plan is for {data['world_size']} processes, but this "
+            f"job has {world}; plan again with world_size={world}"
+        )
+    meshes = data.get("stage_meshes")
+    spr = int(data["stages_per_rank"])
+    num_stages = int(data["pp"]) * spr
+    kwargs: dict[str, Any] = {
+        "schedule": data["schedule"],
+        "num_microbatches": int(data["num_microbatches"]),
+        "split_points": list(data["split_points"]) or None,
+        "stages_per_rank": spr,
+        "activation_checkpointing": _checkpointing(data["activation_checkpointing"], num_stages),
+    }
+    if meshes is not None:
+        return init_stage_meshes([dict(m) for m in meshes]), kwargs
+    kwargs["dp"] = data.get("dp_mode")
+    return init_mesh(pp=int(data["pp"]), dp=int(data["dp"]), tp=int(data["tp"])), kwargs

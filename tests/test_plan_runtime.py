@@ -1,0 +1,128 @@
+"""Pipeline.from_plan and memory_stats() on 2 CPU ranks, one spawn: a plan's step equals one
+process's (uniform mesh, stage meshes, pure dp, per-stage checkpointing, zbh1), the memory
+model against the measured bytes, and a plan for another world size refused everywhere."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import meshpipe
+from meshpipe.plan import Plan
+from meshpipe.plan.candidate import Layout, Settings, judge
+from meshpipe.testing import run_on_ranks
+
+VOCAB, WIDTH = 400, 32
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)
+        )
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = LM()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (16, 8), generator=g)
+    return model, x, torch.randint(0, VOCAB, (16, 8), generator=g)
+
+
+def _parity(data: dict[str, Any]) -> float:
+    model, x, y = _case()
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline.from_plan(data, model, loss_fn=loss_fn, example_args=(x,))
+    loss = pipe.step(x, target=y)
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    worst = abs(loss.item() - ref_loss.item())
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        worst = max(worst, (p.grad - ref_params[name].grad).abs().max().item())
+    return worst
+
+
+def _memory(data: dict[str, Any]) -> dict[str, Any]:
+    model, x, y = _case()
+    pipe = meshpipe.Pipeline.from_plan(data, model, loss_fn=loss_fn, example_args=(x,))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    assert pipe.memory_stats()["activations"] is None  # not tracked: nothing recorded
+    pipe.step(x, target=y)
+    opt.step()
+    pipe.zero_grad(set_to_none=False)
+    pipe.track_memory()
+    pipe.step(x, target=y)
+    stats = pipe.memory_stats(optimizer=opt)
+    stats["pp_rank"] = pipe.topology.pp_rank
+    return stats
+
+
+def _ranks(parity: list[dict[str, Any]], memory: dict[str, Any], wrong: dict[str, Any]) -> Any:
+    torch.set_num_threads(1)
+    diffs = [_parity(d) for d in parity]
+    stats = _memory(memory)
+    try:
+        meshpipe.Pipeline.from_plan(wrong, LM(), loss_fn=loss_fn)
+        refusal = "accepted"
+    except meshpipe.PipelineError as e:
+        refusal = str(e)
+    return diffs, stats, refusal
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    model, x, y = _case()
+    prof = meshpipe.plan.profile_model(model, (x,), {}, y, loss_fn, repeats=1)
+    st = Settings(world_size=2)
+    found = {
+        "1f1b": judge(prof, Layout(2), "1f1b", 1, 4, st),
+        "zbh1": judge(prof, Layout(2), "zbh1", 1, 4, st),
+        "dp": judge(prof, Layout(1, 2), "1f1b", 1, 2, st),
+    }
+    assert all(p is not None for p in found.values())
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def test_from_plan_parity_memory_and_refusal(plans: dict[str, Plan]) -> None:
+    base = plans["1f1b"]
+    assert base.split_points  # the DP cut the model somewhere
+    parity = [
+        base.to_dict(),
+        replace(base, activation_checkpointing=(True, False)).to_dict(),
+        replace(plans["zbh1"], activation_checkpointing=(False, True)).to_dict(),
+        replace(base, stage_meshes=({"dp": 1}, {"tp": 1}), dp_mode=None).to_dict(),
+        plans["dp"].to_dict(),
+    ]
+    wrong = replace(base, world_size=4, pp=4, split_points=("layers.0", "layers.1", "layers.2"),
+                    activation_checkpointing=(False,) * 4, memory=(0,) * 4).to_dict()  # fmt: skip
+    results = run_on_ranks(_ranks, 2, parity, base.to_dict(), wrong, timeout=240)
+    for diffs, _, refusal in results:
+        assert max(diffs) < 1e-5, diffs
+        assert "the plan is for 4 processes, but this job has 2" in refusal
+    for _, stats, _ in results:
+        r = stats["pp_rank"]
+        predicted = base.memory[r]
+        # the static part is exact (parameters, gradients, AdamW's two moments)
+        assert stats["optimizer"] == 2 * stats["params"] == 2 * stats["grads"]
+        assert stats["activations"] > 0 and stats["source"] == "ledger"
+        assert abs(stats["peak"] - predicted) <= 0.25 * predicted, (r, stats, predicted)
