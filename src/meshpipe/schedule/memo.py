@@ -1,7 +1,7 @@
 """Per-schedule memo: values derived from one Schedule object, computed once and shared.
 
-A Schedule is immutable, so whatever is derived from it (its integer columns, its p2p
-program) can be kept while it lives: validate and p2p_program then compute the program
+A Schedule is immutable, so whatever is derived from it (its p2p program, in integer form
+and as P2P values) can be kept while it lives: validate and p2p_program then compute the program
 once between them. Entries are keyed by the object's identity (hashing a Schedule hashes
 every action) and held through a weak reference, so they go with their schedule; at most
 ``MAX_SCHEDULES`` schedules keep entries, the least recently used leaving first. Imports no
