@@ -11,20 +11,28 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import meshpipe
 from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.testing import run_on_ranks
+from split_models import Stack
 
 from parity import D, blocks, check_case, grad_diff, mse, refusal
 
 SCHEDULES = ["1f1b", "zbv", "zbh1", "interleaved_1f1b"]
 
 
-def _case(mesh: Any, name: str, options: Any) -> dict[str, float]:
-    net = blocks(8)
+def _case(mesh: Any, name: str, options: Any, traced: bool = False) -> dict[str, float]:
+    # a fresh dynamo per case: past its recompile limit (8 per code object) torch runs the
+    # code eager without a word, and the later cases would test nothing
+    torch._dynamo.reset()
+    net = Stack(num_blocks=8, d=D) if traced else blocks(8)  # Stack: split by tracing
     ref = copy.deepcopy(net)
-    pipe = meshpipe.Pipeline(net, mesh, name, num_microbatches=4, loss_fn=mse, compile=options)
+    example = {"example_args": (torch.randn(8, D),)} if traced else {}
+    pipe = meshpipe.Pipeline(
+        net, mesh, name, num_microbatches=4, loss_fn=mse, compile=options, **example
+    )
     worst = {"loss": 0.0, "grad": 0.0}
     for seed in range(2):  # the second step runs the cached compiled code
         torch.manual_seed(seed)
@@ -43,7 +51,7 @@ def _grads(runner: StageRunner) -> list[float]:
     return [float(p.grad.sum()) if p.grad is not None else 0.0 for p in runner.module.parameters()]
 
 
-def _where_weights(mesh: Any, name: str, options: Any) -> dict[str, int]:
+def _where_weights(mesh: Any, name: str, options: Any, traced: bool = False) -> dict[str, int]:
     """How many I actions changed a weight gradient, and how many W actions did (of all)."""
     counts = {"i_changed": 0, "w_changed": 0, "w": 0}
     backward, weight = StageRunner.backward, StageRunner.weight
@@ -62,7 +70,7 @@ def _where_weights(mesh: Any, name: str, options: Any) -> dict[str, int]:
 
     StageRunner.backward, StageRunner.weight = on_backward, on_weight  # type: ignore[method-assign]
     try:
-        _case(mesh, name, options)
+        _case(mesh, name, options, traced)
     finally:
         StageRunner.backward, StageRunner.weight = backward, weight  # type: ignore[method-assign]
     return counts
@@ -78,6 +86,17 @@ def _all(_: None = None) -> dict[str, Any]:
     for name in ("zbv", "zbh1"):
         out[f"where-{name}"] = _where_weights(mesh, name, {"backend": "aot_eager"})
     out["where-fused"] = _where_weights(mesh, "zbv", {"backend": "eager"})
+    # each block of a traced stage compiled on its own; the glue between them stays eager
+    per_block = {"blocks": True, "backend": "aot_eager"}
+    before = counters["stats"]["unique_graphs"]
+    out["blocks-zbv"] = _case(mesh, "zbv", per_block, traced=True)
+    out["blocks-graphs"] = counters["stats"]["unique_graphs"] - before
+    out["where-blocks"] = _where_weights(mesh, "zbv", per_block, traced=True)
+    out["no-blocks"] = refusal(
+        lambda: meshpipe.Pipeline(
+            [nn.Linear(D, D), nn.Linear(D, D)], mesh, "1f1b", 4, loss_fn=mse, compile="blocks"
+        )
+    )
     out["bad"] = refusal(
         lambda: meshpipe.Pipeline(
             blocks(8), mesh, "1f1b", num_microbatches=4, loss_fn=mse, compile="yes"
@@ -115,6 +134,15 @@ def test_a_backend_without_the_split_runs_the_weight_work_in_i(results: Any) -> 
         assert where["i_changed"] > 0 and where["w_changed"] < where["w"], (rank, where)
 
 
+def test_each_block_of_a_traced_stage_compiles_on_its_own(results: Any) -> None:
+    check_case(results, "blocks-zbv")
+    for rank, res in enumerate(results):
+        assert res["blocks-graphs"] > 0, (rank, res["blocks-graphs"])
+        where = res["where-blocks"]
+        assert where["i_changed"] == 0 and where["w_changed"] == where["w"] > 0, (rank, where)
+        assert "has no blocks" in res["no-blocks"], res["no-blocks"]
+
+
 def test_inductor_halves_give_the_eager_gradients() -> None:
     """In one process: a stage compiled by inductor; its I sets no weight gradient, its W
     sets them all, to the eager values."""
@@ -140,4 +168,4 @@ def test_inductor_halves_give_the_eager_gradients() -> None:
 
 def test_bad_compile_option_is_refused(results: Any) -> None:
     for res in results:
-        assert "compile must be False, True or a dict" in res["bad"], res["bad"]
+        assert "compile must be False, True, 'blocks' or a dict" in res["bad"], res["bad"]

@@ -94,7 +94,7 @@ def build_runners(
         module.train(training)
         policy = stage_policy(opts.recompute, s)
         full = apply_policy(module, policy, s)
-        compiled = compile_stage(module, opts.compile, split=spmd.dp != "fsdp")
+        compiled = compile_stage(module, opts.compile, split=spmd.dp != "fsdp", index=s)
         replay, fused = backward_plan(policy, full, compiled, spmd.dp)
         runners[s] = StageRunner(
             s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,

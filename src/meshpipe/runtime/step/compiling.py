@@ -26,37 +26,64 @@ __all__ = ["CompileOption", "compile_options", "compile_stage"]
 
 log = logging.getLogger(__name__)
 
-CompileOption = bool | Mapping[str, Any]
+CompileOption = bool | str | Mapping[str, Any]
 
 
 def compile_options(option: Any) -> dict[str, Any] | None:
-    """The keyword arguments for ``torch.compile``, or None for no compilation."""
+    """The keyword arguments for ``torch.compile`` (plus meshpipe's own ``blocks`` flag),
+    or None for no compilation. ``"blocks"`` is ``{"blocks": True}``."""
     if option is False or option is None:
         return None
     if option is True:
         return {}
+    if option == "blocks":
+        return {"blocks": True}
     if isinstance(option, Mapping) and all(isinstance(k, str) for k in option):
+        if not isinstance(option.get("blocks", False), bool):
+            raise PipelineError(
+                f"compile's 'blocks' must be True or False, got {option['blocks']!r}"
+            )
         return dict(option)
     raise PipelineError(
-        f"compile must be False, True or a dict of torch.compile options, got {option!r}"
+        "compile must be False, True, 'blocks' or a dict of torch.compile options (with "
+        f"'blocks': True to compile each block of a stage on its own), got {option!r}"
     )
 
 
-def compile_stage(module: nn.Module, options: dict[str, Any] | None, split: bool = True) -> str:
-    """Compile ``module``'s forward in place: ``"split"`` (the backward in input and weight
-    halves), ``"fused"`` (one backward node), or ``""`` when not compiled."""
+def stage_blocks(module: nn.Module, index: int) -> list[tuple[str, nn.Module]]:
+    """The blocks of a stage compiled one by one: the transformer blocks a traced stage calls
+    (``meshpipe_blocks``), or the children of a Sequential stage."""
+    names: tuple[str, ...] = getattr(module, "meshpipe_blocks", ())
+    if names:
+        return [(n, module.get_submodule(n)) for n in names]
+    if isinstance(module, nn.Sequential) and len(module) > 0:
+        return list(module.named_children())
+    raise PipelineError(
+        f"compile per block: stage {index} ({type(module).__name__}) has no blocks (neither a "
+        "traced stage calling items of a ModuleList nor an nn.Sequential); compile the whole "
+        "stage (compile=True) instead"
+    )
+
+
+def compile_stage(
+    module: nn.Module, options: dict[str, Any] | None, split: bool = True, index: int = 0
+) -> str:
+    """Compile ``module``'s forward in place, or each of its blocks' (``blocks``):
+    ``"split"`` (the backward in input and weight halves), ``"fused"`` (one backward node),
+    or ``""`` when not compiled."""
     if options is None:
         return ""
     opts = dict(options)
+    per_block = opts.pop("blocks", False)
     backend = opts.pop("backend", "inductor")
     splittable = (
         split and isinstance(backend, str) and backend in SPLIT_BACKENDS
         and not {"mode", "options"} & set(opts)
     )  # fmt: skip
-    if splittable:
-        fn = torch.compile(module.forward, backend=split_backend(backend), **opts)
-    else:
-        fn = torch.compile(module.forward, backend=backend, **opts)
+    chosen = split_backend(backend) if splittable else backend
+    if not splittable:
         log.info("stage compiled with one fused backward (backend %r, options %s)", backend, opts)
-    module.forward = fn
+    targets = stage_blocks(module, index) if per_block else [("", module)]
+    for _, target in targets:
+        target.forward = torch.compile(target.forward, backend=chosen, **opts)
     return "split" if splittable else "fused"
