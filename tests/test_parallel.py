@@ -187,11 +187,16 @@ def _four() -> dict[str, Any]:
 
 def _eight() -> dict[str, Any]:
     mesh = meshpipe.init_mesh(pp=2, dp=2, tp=2)
-    return {
+    out = {
         f"3d-{s}": _train_case(mesh, s, "fsdp", tp=True)
         for s in ("1f1b", "zbv")
         if s in meshpipe.schedule_names()
     }
+    # replicas of tensor-parallel stages: their gradients' local shards reduced over dp
+    # (these crashed with "mixed torch.Tensor and DTensor" / no sharding strategy before)
+    for dp in (None, "ddp"):
+        out[f"3d-dp-{dp}"] = _train_case(mesh, "1f1b", dp, tp=True)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +272,7 @@ def test_eval_step_metrics_averaged_over_dp(four: list[dict[str, Any]]) -> None:
 
 def test_pp_dp_tp_eight_processes() -> None:
     results = run_on_ranks(_eight, 8, timeout=600)
-    for case in ("3d-1f1b", "3d-zbv"):
+    for case in ("3d-1f1b", "3d-zbv", "3d-dp-None", "3d-dp-ddp"):
         check_case(results, case, ATOL)
 
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshpipe.parallel.buckets import Bucket, buckets
+
 __all__ = ["GradSync"]
 
 
@@ -25,22 +27,13 @@ class GradSync:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self._work: Any = None
-        self._flat: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._flat: list[Bucket] = []
         self.bytes_per_step = sum(p.numel() * p.element_size() for p in self.params)
 
     def start(self) -> None:
         """Launch the all-reduce of this stage's gradients (non-blocking)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self._flat = []
-        works = []
-        for group in by_dtype.values():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            works.append(dist.all_reduce(flat, group=self.group, async_op=True))
-            self._flat.append((flat, group))
-        self._work = works
+        self._flat = buckets(self.params)  # tensor-parallel gradients: their local shards
+        self._work = [dist.all_reduce(b.flat, group=self.group, async_op=True) for b in self._flat]
 
     def finish(self, wait: Callable[[Any], None]) -> None:
         """Wait for the all-reduce with ``wait(work)`` (the runtime's bounded wait: on the
@@ -49,11 +42,7 @@ class GradSync:
             return
         for w in self._work:
             wait(w)
-        for flat, group in self._flat:
-            offset = 0
-            for p in group:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p)
-                offset += n
+        for bucket in self._flat:
+            bucket.point_back()
         self._work = None
         self._flat = []

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from meshpipe.parallel.buckets import buckets
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded, wait_work
 from meshpipe.runtime.step.stage import LossRecord
 
@@ -129,19 +130,10 @@ def reduce_grads(
 ) -> None:
     """Sum gradients over dp in one coalesced all-reduce, then multiply by ``scale``."""
     if dp_group is not None and params:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for group in by_dtype.values():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            work = dist.all_reduce(flat, group=dp_group, async_op=True)
+        for bucket in buckets(params):  # tensor-parallel gradients: their local shards
+            work = dist.all_reduce(bucket.flat, group=dp_group, async_op=True)
             wait_bounded(work, timeout, "the gradient all-reduce over dp", watchdog)
-            offset = 0
-            for p in group:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p)
-                offset += n
+            bucket.point_back()
     if isinstance(scale, float) and scale == 1.0:
         return
     for p in params:

@@ -1,0 +1,65 @@
+"""Gradients of parameters of one dtype flattened into one bucket and pointed back at it.
+
+A tensor-parallel parameter is a DTensor: its bucket holds the local shard of its gradient
+(dp replicas of one tp position hold matching shards), and its gradient is rebuilt as a
+DTensor of the same layout over its slice of the reduced bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["Bucket", "buckets"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Bucket:
+    """One dtype's gradients in one flat tensor (``flat``), to reduce in one collective."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self._layouts: list[Any] = []
+        pieces = []
+        for p in self.params:
+            g = p.grad
+            spec = g if isinstance(g, DTensor) else p
+            self._layouts.append(
+                (spec.device_mesh, spec.placements, p.shape, p.stride())
+                if isinstance(spec, DTensor)
+                else None
+            )
+            local = _local(g) if g is not None else torch.zeros_like(_local(p))
+            pieces.append(local.reshape(-1))
+        self.flat = torch.cat(pieces) if pieces else torch.zeros(0)
+
+    def point_back(self) -> None:
+        """Each parameter's gradient becomes its slice of ``flat`` (a DTensor of its layout
+        for tensor-parallel parameters)."""
+        offset = 0
+        for p, layout in zip(self.params, self._layouts, strict=True):
+            shape = _local(p).shape
+            n = shape.numel()
+            piece = self.flat[offset : offset + n].view(shape)
+            offset += n
+            if layout is None:
+                p.grad = piece
+            else:
+                mesh, placements, full_shape, stride = layout
+                p.grad = DTensor.from_local(
+                    piece, mesh, placements, run_check=False, shape=full_shape, stride=stride
+                )
+
+
+def buckets(params: Sequence[torch.Tensor]) -> list[Bucket]:
+    """One bucket per dtype of ``params``' gradients (a missing gradient counts as zeros)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    return [Bucket(group) for group in by_dtype.values()]
