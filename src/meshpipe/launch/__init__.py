@@ -192,6 +192,9 @@ def _failure(
     else:
         code = codes.get(cause)
     stopped = supervisor.stopped()
+    if cause in stopped:  # named by its peers but ended by our signal: not its own status
+        ended = first_failure(ends, codes, {})
+        code = codes.get(ended) if ended is not None else None
     return LaunchResult(exit_status(code), num_ranks, reports, codes, cause=cause, stopped=stopped)
 
 

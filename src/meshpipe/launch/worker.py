@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -251,16 +252,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SystemExit as e:
         if e.code in (None, 0):
             reporter.snap("finished")
-        elif not reporter.failed:
+            raise
+        if not reporter.failed:
             reporter.failure(e, None)
             reporter.wait_for_peers()
-        raise
+        _exit_now(e.code if isinstance(e.code, int) else 1, None)
     except BaseException as e:
         if not reporter.failed:
             status = getattr(e, "meshpipe_status", None)
             reporter.failure(e, status if isinstance(status, dict) else None)
         reporter.wait_for_peers()
-        raise
+        _exit_now(130 if isinstance(e, KeyboardInterrupt) else 1, e)
+
+
+def _exit_now(code: int, error: BaseException | None) -> None:
+    """End a failed rank with its own status: the traceback printed as the interpreter
+    would, then ``os._exit``. A normal exit would run the process groups' destructors, and
+    gloo's can abort a process whose peers are gone ("terminate called without an active
+    exception", status 134), hiding the real status from the launcher."""
+    if error is not None:
+        traceback.print_exception(error)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+            continue
+    os._exit(code)
 
 
 if __name__ == "__main__":
