@@ -17,6 +17,7 @@ Without the variable (plain ``torchrun``) it only runs the target.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -252,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SystemExit as e:
         if e.code in (None, 0):
             reporter.snap("finished")
-            raise
+            _finish_now()
         if not reporter.failed:
             reporter.failure(e, None)
             reporter.wait_for_peers()
@@ -263,6 +264,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             reporter.failure(e, status if isinstance(status, dict) else None)
         reporter.wait_for_peers()
         _exit_now(130 if isinstance(e, KeyboardInterrupt) else 1, e)
+    _finish_now()
+
+
+def _finish_now() -> None:
+    """End a rank that finished: the script's atexit handlers run, then ``os._exit(0)``,
+    skipping the process groups' destructors (gloo's abort a process whose peers already
+    left: status 134 for a run that succeeded)."""
+    atexit._run_exitfuncs()
+    _exit_now(0, None)
 
 
 def _exit_now(code: int, error: BaseException | None) -> None:
