@@ -274,7 +274,10 @@ def test_a_failure_with_dp_stops_every_process_at_once(dp: str, no_sync: bool) -
     results = run_on_ranks(_dp_failure, 4, dp, no_sync, timeout=200)
     kind, msg, seconds = results[3]
     assert (kind, msg) == ("RuntimeError", "boom on global rank 3"), results[3]
-    assert seconds < 5, results[3]
+    # the failed process waits for its peers in the closing collective at most 10 s
+    # (runtime/failures/closing.py); on an idle machine they come within a second, under
+    # load (2 cores, 4 processes, FSDP2's gathers still running) they came in 10.0 s once
+    assert seconds < 10.5, results[3]
     for rank in range(3):
         kind, msg, seconds = results[rank]
         # FSDP2's and DDP's collectives too: meshpipe's error, not gloo's words
