@@ -1,0 +1,183 @@
+"""generate(): checks, the call agreed, lanes made, the ring run, the tokens shared."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshpipe.errors import CommTimeoutError, PipelineError
+from meshpipe.runtime.generate.checks import agree, check_options, check_prompt, eos_ids
+from meshpipe.runtime.generate.driver import Lane, Request, run_ring
+from meshpipe.runtime.generate.families import Family, family_of
+from meshpipe.runtime.generate.ring import Ring
+from meshpipe.runtime.generate.sampling import Sampling
+from meshpipe.runtime.generate.stages import GenStage, stage_parts
+from meshpipe.runtime.mesh.topology import Topology
+from meshpipe.runtime.step.stage import StageRunner
+from meshpipe.schedule.generators.decode import decode_order
+from meshpipe.schedule.ir import Schedule
+from meshpipe.split.whole import WholeModel
+
+__all__ = ["GenTarget", "generate"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenTarget:
+    """What of a Pipeline generation reads (Pipeline.generate builds it)."""
+
+    whole: WholeModel | None
+    schedule: Schedule
+    topology: Topology
+    timeout: float
+    runners: Mapping[int, StageRunner]
+    ensure_split: Callable[[tuple[Any, ...], dict[str, Any]], None]
+
+
+@dataclass
+class GenStats:
+    """The last call on this rank: seconds computing, seconds in the ring, lanes."""
+
+    busy_s: float = 0.0
+    ring_s: float = 0.0
+    num_lanes: int = 0
+
+
+last_stats = GenStats()
+
+
+def _window(family: Family, config: Any) -> int | None:
+    if family.name == "qwen2" and getattr(config, "use_sliding_window", False):
+        raise PipelineError("generate(): Qwen2 with use_sliding_window=True is not supported yet")
+    window = getattr(config, "sliding_window", None) if family.name == "mistral" else None
+    return window if isinstance(window, int) else None
+
+
+def _widths(family: Family, config: Any) -> tuple[int, ...]:
+    hidden = int(config.hidden_size)
+    if family.rotary is None:
+        return (hidden,)
+    head = getattr(config, "head_dim", None) or hidden // int(config.num_attention_heads)
+    return (hidden, int(head), int(head))
+
+
+def _lanes(ids: torch.Tensor, mask: torch.Tensor, num_lanes: int) -> list[Lane]:
+    lanes, start = [], 0
+    for part in torch.tensor_split(torch.arange(ids.shape[0]), num_lanes):
+        stop = start + len(part)
+        lanes.append(Lane(start, stop, ids[start:stop], mask[start:stop]))
+        start = stop
+    return lanes
+
+
+def _dtype(target: GenTarget) -> torch.dtype:
+    for runner in target.runners.values():
+        for p in runner.module.parameters():
+            if p.is_floating_point():
+                return p.dtype
+    return torch.float32
+
+
+def generate(
+    target: GenTarget,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 64,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    num_lanes: int | None = None,
+) -> torch.Tensor:
+    """(batch, prompt + new) token ids on every rank; see Pipeline.generate."""
+    topo = target.topology
+    family, config = family_of(target.whole.model if target.whole is not None else None)
+    if topo.stage_meshes:
+        raise PipelineError("generate() does not run on stage meshes yet (one mesh only)")
+    mask = check_prompt(input_ids, attention_mask, max_new_tokens, config)
+    check_options(do_sample, temperature, top_k, top_p, seed, pad_token_id, num_lanes)
+    eos = eos_ids(eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
+    sampling = Sampling(do_sample, float(temperature), top_k, top_p, seed)
+    window = _window(family, config)
+    lanes_wanted = min(num_lanes or topo.pp_size, input_ids.shape[0])
+    weights = torch.arange(1, input_ids.numel() + 1, dtype=torch.long).view(input_ids.shape)
+    fingerprint = (int((input_ids.cpu().long() * weights).sum()), int((mask.cpu() * weights).sum()))
+    names = ("shapes", "max_new_tokens", "sampling options", "eos/pad", "lanes", "input values")
+    fields = (
+        tuple(input_ids.shape),
+        max_new_tokens,
+        sampling,
+        (eos, pad),
+        lanes_wanted,
+        fingerprint,
+    )
+    agree(names, fields, topo.pp_group, topo.device, target.timeout, topo.pp_rank)
+    if max_new_tokens == 0:
+        return input_ids.clone()
+    split_kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    target.ensure_split((input_ids,), split_kwargs)
+    assert target.whole is not None and target.whole.stages is not None  # split above
+    parts = stage_parts(family, int(config.num_hidden_layers), target.whole.stages)
+    stages = {s: GenStage(family, parts[s], r.module) for s, r in target.runners.items()}
+    device = topo.device
+    lanes = _lanes(input_ids.to(device), mask.to(device), lanes_wanted)
+    req = Request(
+        max_new_tokens, sampling, eos, pad, _dtype(target), _widths(family, config), window
+    )
+    order = decode_order(target.schedule.placement, len(lanes), max_new_tokens)
+    ring = Ring(topo.pp_group, topo.pp_global_ranks, topo.pp_rank, target.timeout)
+    t0 = time.perf_counter()
+    busy = run_ring(order, topo.pp_rank, stages, lanes, ring, req)
+    last_stats.busy_s, last_stats.ring_s = busy, time.perf_counter() - t0
+    last_stats.num_lanes = len(lanes)
+    new = _share_tokens(target, lanes, pad)
+    return torch.cat([input_ids, new.to(input_ids.device, input_ids.dtype)], dim=1)
+
+
+def _share_tokens(target: GenTarget, lanes: list[Lane], pad: int | None) -> torch.Tensor:
+    """The generated (batch, steps) tokens, broadcast from the last stage's rank."""
+    topo = target.topology
+    sched = target.schedule
+    src_rank = sched.placement[sched.num_stages - 1]
+    src = topo.pp_global_ranks[src_rank]
+    rows = lanes[-1].stop
+    length = torch.zeros(1, dtype=torch.long, device=topo.device)
+    if topo.pp_rank == src_rank:
+        length[0] = max(len(lane.tokens) for lane in lanes)
+    _broadcast(length, src, target, "the number of generated tokens")
+    steps = int(length.item())
+    out = torch.full(
+        (rows, steps), pad if pad is not None else 0, dtype=torch.long, device=topo.device
+    )
+    if topo.pp_rank == src_rank:
+        for lane in lanes:
+            if lane.tokens:
+                out[lane.start : lane.stop, : len(lane.tokens)] = torch.stack(lane.tokens, dim=1)
+    _broadcast(out, src, target, "the generated tokens")
+    return out
+
+
+def _broadcast(t: torch.Tensor, src: int, target: GenTarget, what: str) -> None:
+    topo = target.topology
+    work = dist.broadcast(t, src=src, group=topo.pp_group, async_op=True)
+    try:
+        assert work is not None
+        work.wait(timeout=datetime.timedelta(seconds=target.timeout))
+    except RuntimeError as e:
+        raise CommTimeoutError(
+            f"rank {topo.pp_rank}: generate() receiving {what} from global rank {src} not done "
+            f"within {target.timeout}s", rank=topo.pp_rank,
+        ) from e  # fmt: skip

@@ -1,0 +1,182 @@
+"""One rank's part of a generate() call: its actions of the decode ring, in order, with
+the prefill of each lane as its step 0 and the lanes' KV caches kept per stage."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from meshpipe.runtime.generate.cache import LaneCache
+from meshpipe.runtime.generate.masks import (
+    decode_mask,
+    decode_positions,
+    prefill_mask,
+    prefill_positions,
+)
+from meshpipe.runtime.generate.ring import Ring
+from meshpipe.runtime.generate.sampling import Sampling
+from meshpipe.runtime.generate.stages import GenStage, Payload
+from meshpipe.schedule.generators.decode import DecodeAction, DecodeOrder
+
+__all__ = ["Lane", "Request", "run_ring"]
+
+
+@dataclass
+class Lane:
+    """Rows ``start:stop`` of the batch: their prompt, mask, and what was generated."""
+
+    start: int
+    stop: int
+    ids: torch.Tensor  # (rows, P)
+    mask: torch.Tensor  # (rows, P), 1 on real tokens
+    caches: dict[int, LaneCache] = field(default_factory=dict)  # stage -> its cache
+    tokens: list[torch.Tensor] = field(default_factory=list)  # last stage: (rows,) per step
+    finished: torch.Tensor | None = None  # last stage: rows that produced EOS
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Request:
+    """What every rank was asked for, checked and agreed."""
+
+    max_new_tokens: int
+    sampling: Sampling
+    eos: tuple[int, ...]
+    pad: int | None
+    dtype: torch.dtype  # hidden states on the wire
+    widths: tuple[int, ...]  # last dims of the payload's tensors
+    window: int | None  # sliding window of the attention, if any
+
+
+class _Rank:
+    """The state of this rank's walk through its actions."""
+
+    def __init__(self, order: DecodeOrder, rank: int, stages: dict[int, GenStage],
+                 lanes: list[Lane], ring: Ring, req: Request) -> None:  # fmt: skip
+        self.order, self.rank, self.stages, self.lanes = order, rank, stages, lanes
+        self.ring, self.req = ring, req
+        self.last = order.num_stages - 1
+        self.slots = lanes[0].ids.shape[1]  # P
+        self.local: dict[tuple[int, int], object] = {}  # (dst stage, lane) -> value
+        self.stopped: set[tuple[int, int]] = set()  # (stage, lane)
+        self.busy = 0.0
+
+    def where(self, stage: int) -> int:
+        return self.order.placement[stage]
+
+    # -- inputs ------------------------------------------------------------------------
+    def ring_input(self, a: DecodeAction) -> tuple[torch.Tensor, bool]:
+        """Stage 0 at step > 0: the tokens sampled at the previous step, and the lane's stop."""
+        lane = self.lanes[a.lane]
+        if self.where(self.last) == self.rank:
+            self.ring.flush()
+            return self.local.pop((0, a.lane))  # type: ignore[return-value]
+        device = lane.ids.device
+        buf = torch.empty(lane.rows + 1, dtype=torch.long, device=device)
+        self.ring.recv(buf, self.where(self.last), f"the tokens of {a}")
+        return buf[:-1], bool(buf[-1].item())
+
+    def stage_input(self, a: DecodeAction) -> Payload | None:
+        """Stage > 0: the previous stage's payload, or None for the lane's stop."""
+        if self.where(a.stage - 1) == self.rank:
+            self.ring.flush()
+            return self.local.pop((a.stage, a.lane))  # type: ignore[return-value]
+        lane = self.lanes[a.lane]
+        q = self.slots if a.step == 0 else 1
+        sizes = [lane.rows * q * w for w in self.req.widths]
+        buf = torch.empty(sum(sizes) + 1, dtype=self.req.dtype, device=lane.ids.device)
+        self.ring.recv(buf, self.where(a.stage - 1), f"the hidden states of {a}")
+        if buf[-1].item() == 0:
+            return None
+        parts = torch.split(buf[:-1], sizes)
+        return tuple(p.view(lane.rows, q, w) for p, w in zip(parts, self.req.widths, strict=True))
+
+    # -- outputs -----------------------------------------------------------------------
+    def pass_on(self, a: DecodeAction, payload: Payload | None) -> None:
+        """Hand a payload (or the stop, None) to the next stage."""
+        nxt = a.stage + 1
+        if self.where(nxt) == self.rank:
+            self.local[(nxt, a.lane)] = payload
+            return
+        flag = torch.ones(1, dtype=self.req.dtype, device=self.lanes[a.lane].ids.device)
+        if payload is None:
+            lane = self.lanes[a.lane]
+            q = self.slots if a.step == 0 else 1
+            flat = torch.zeros(lane.rows * q * sum(self.req.widths) + 1, dtype=self.req.dtype,
+                               device=flag.device)  # fmt: skip
+        else:
+            flat = torch.cat([*(p.reshape(-1).to(self.req.dtype) for p in payload), flag])
+        self.ring.send(flat, self.where(nxt))
+
+    def sample(self, a: DecodeAction, payload: Payload) -> None:
+        """The last stage: the lane's next tokens, sent round to stage 0."""
+        lane, req = self.lanes[a.lane], self.req
+        logits = self.stages[a.stage].logits(payload)
+        rows = torch.arange(lane.start, lane.stop, device=logits.device)
+        tokens = req.sampling.choose(logits, rows, a.step)
+        if lane.finished is None:
+            lane.finished = torch.zeros(lane.rows, dtype=torch.bool, device=tokens.device)
+        if req.pad is not None:  # rows already done get padding (Hugging Face's rule)
+            tokens = tokens.masked_fill(lane.finished, req.pad)
+        if req.eos:
+            eos = torch.tensor(req.eos, device=tokens.device)
+            lane.finished |= torch.isin(tokens, eos)
+        lane.tokens.append(tokens)
+        done = a.step + 1 >= req.max_new_tokens or bool(lane.finished.all().item())
+        if self.where(0) == self.rank:
+            self.local[(0, a.lane)] = (tokens, done)
+        else:
+            msg = torch.cat([tokens, torch.tensor([int(done)], device=tokens.device)])
+            self.ring.send(msg, self.where(0))
+
+    # -- one action --------------------------------------------------------------------
+    def run(self, a: DecodeAction) -> None:
+        if (a.stage, a.lane) in self.stopped:
+            return
+        lane = self.lanes[a.lane]
+        first = a.stage == 0
+        payload = self.first_stage_input(a, lane) if first else self.stage_input(a)
+        t0 = time.perf_counter()
+        if payload is None:
+            self.stopped.add((a.stage, a.lane))
+            if a.stage < self.last:
+                self.pass_on(a, None)
+            return
+        cache = lane.caches.setdefault(a.stage, LaneCache(self.slots + self.req.max_new_tokens))
+        cache.offset = 0 if a.step == 0 else self.slots + a.step - 1
+        if a.step == 0:
+            mask = prefill_mask(lane.mask, self.req.dtype, self.req.window)
+        else:
+            mask = decode_mask(lane.mask, a.step, self.req.dtype, self.req.window)
+        payload = self.stages[a.stage].run_layers(payload, mask, cache)
+        if a.stage < self.last:
+            self.pass_on(a, payload)
+        else:
+            self.sample(a, payload)
+        self.busy += time.perf_counter() - t0
+
+    def first_stage_input(self, a: DecodeAction, lane: Lane) -> Payload | None:
+        stage = self.stages[0]
+        if a.step == 0:
+            self.ring.flush()
+            return stage.embed(lane.ids, prefill_positions(lane.mask))
+        tokens, done = self.ring_input(a)
+        if done:
+            return None
+        return stage.embed(tokens[:, None], decode_positions(lane.mask, a.step))
+
+
+def run_ring(order: DecodeOrder, rank: int, stages: dict[int, GenStage], lanes: list[Lane],
+             ring: Ring, req: Request) -> float:  # fmt: skip
+    """Run this rank's actions; returns the seconds it spent computing (busy time)."""
+    state = _Rank(order, rank, stages, lanes, ring, req)
+    with torch.no_grad():
+        for a in order.actions[rank]:
+            state.run(a)
+    ring.close()
+    return state.busy
