@@ -19,6 +19,7 @@ from meshpipe.errors import PipelineError
 from meshpipe.parallel.hf_plan import auto_tp_plan
 from meshpipe.runtime.checks.agree import check_mode
 from meshpipe.runtime.failures.closing import closing_status, reads_closing
+from meshpipe.runtime.generate.api import GenTarget, generate
 from meshpipe.runtime.mesh.spmd import Spmd
 from meshpipe.runtime.mesh.stage_meshes import take_outputs
 from meshpipe.runtime.pipeline.building import (
@@ -426,3 +427,17 @@ class Pipeline:
         return self._take_outputs(infer)
 
     __call__ = forward
+
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int = 64, **options: Any
+    ) -> torch.Tensor:
+        """Token ids (batch, prompt + new) on every rank: a prefill per lane, then the decode
+        ring, each stage keeping the KV cache of its own layers (docs/generate.md). Options:
+        ``attention_mask``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
+        ``eos_token_id``, ``pad_token_id``, ``num_lanes`` (default: the pp size). Same call
+        on every rank; no gradients, parameters and train/eval mode untouched."""
+        target = GenTarget(
+            self._whole, self.schedule, self.topology, self.timeout, self._runners,
+            self._ensure_split,
+        )  # fmt: skip
+        return generate(target, input_ids, max_new_tokens, **options)
