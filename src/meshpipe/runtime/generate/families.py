@@ -79,7 +79,7 @@ def family_of(model: nn.Module | None) -> tuple[Family, Any]:
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if model is None or kind not in _FAMILIES:
-        what = "a list of stage modules" if model is None else type(model).__name__
+        what = "a model given as stage modules" if model is None else type(model).__name__
         raise PipelineError(
             f"generate() has no cache path for {what} (model_type {kind!r}): it drives "
             f"whole Hugging Face causal LMs of the families {sorted(_FAMILIES)} given to "

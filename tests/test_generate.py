@@ -1,0 +1,197 @@
+"""Pipelined generation (issue 25): greedy tokens equal Hugging Face's generate on the unsplit
+model (GPT-2, Llama; left padding; EOS in the middle), seeded sampling gives the same tokens
+whatever the layout and lane count, bad input is refused on every rank, and a training step
+after generate() stays exact. One spawn of 4 processes: pp=2 x dp=2 and pp=4 meshes."""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+import meshpipe
+from meshpipe.schedule.generators.decode import decode_order
+from meshpipe.testing import run_on_ranks
+
+pytest.importorskip("transformers")
+
+NEW = 10  # new tokens per call
+
+
+def _points(kind: str, num_stages: int, num_layers: int = 4) -> list[str]:
+    prefix = "model.layers" if kind == "llama" else "transformer.h"
+    step = num_layers // num_stages
+    return [f"{prefix}.{i}" for i in range(step, num_layers, step)]
+
+
+def _reference(model: Any, ids: torch.Tensor, mask: torch.Tensor, **kw: Any) -> torch.Tensor:
+    model.generation_config.use_cache = True
+    model.generation_config.eos_token_id = None  # generate() stops on the EOS it is given only
+    out: torch.Tensor = model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kw
+    )
+    return out
+
+
+def _greedy(kind: str, mesh: Any, num_stages: int) -> dict[str, Any]:
+    """Tokens vs Hugging Face, without EOS and with an EOS some rows produce mid-way."""
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = getattr(sm, kind)(4).eval()
+    ref = copy.deepcopy(model)
+    ids, mask, _ = sm.tokens(batch=7, seq=6, seed=3)  # rows padded on the left by 0..2
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", 2, loss_fn=sm.lm_loss, split_points=_points(kind, num_stages)
+    )
+    pipe.eval()
+    plain = _reference(ref, ids, mask, pad_token_id=1)
+    # an EOS that row 0 produces at its 4th new token, so rows stop at different steps
+    eos = int(plain[0, ids.shape[1] + 3])
+    with_eos = _reference(ref, ids, mask, eos_token_id=eos, pad_token_id=1)
+    res: dict[str, Any] = {"eos_stops_early": with_eos.shape[1] <= plain.shape[1]}
+    for lanes in (None, 1, 3):
+        got = pipe.generate(ids, NEW, attention_mask=mask, pad_token_id=1, num_lanes=lanes)
+        res[f"plain lanes={lanes}"] = got.tolist() == plain.tolist()
+        got = pipe.generate(
+            ids, NEW, attention_mask=mask, eos_token_id=eos, pad_token_id=1, num_lanes=lanes
+        )
+        res[f"eos lanes={lanes}"] = got.tolist() == with_eos.tolist()
+    res["padded rows after eos"] = int((with_eos[:, ids.shape[1] :] == 1).sum())
+    return res
+
+
+def _sampled(mesh: Any, num_stages: int, lanes: int | None, seed: int) -> list[list[int]]:
+    import split_models as sm
+
+    torch.manual_seed(0)
+    pipe = meshpipe.Pipeline(
+        sm.llama(4).eval(), mesh, "1f1b", 2, split_points=_points("llama", num_stages)
+    )
+    ids, mask, _ = sm.tokens(batch=6, seq=5, seed=4)
+    out = pipe.generate(
+        ids, NEW, attention_mask=mask, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+        seed=seed, num_lanes=lanes,
+    )  # fmt: skip
+    return out.tolist()  # type: ignore[no-any-return]
+
+
+def _refusal(fn: Any) -> str:
+    try:
+        fn()
+    except meshpipe.PipelineError as e:
+        return str(e)
+    return "no error"
+
+
+def _train_after_generate(mesh: Any) -> dict[str, Any]:
+    """Generate in train mode, then one step: loss and gradients as one process."""
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = sm.llama(4)
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", 2, loss_fn=sm.lm_loss, split_points=_points("llama", 4)
+    )
+    ids, mask, target = sm.tokens(batch=4, seq=6, seed=5)
+    pipe.train()
+    pipe.generate(ids, 3, attention_mask=mask)
+    modes = {m.training for s in pipe.stages for m in s.modules()}
+    loss = pipe.step(ids, target=target, attention_mask=mask)
+    ref_loss = sm.lm_loss(ref(ids, attention_mask=mask), target)
+    ref_loss.backward()
+    gap = max(
+        (p.grad - ref.get_parameter(n).grad).abs().max().item()  # type: ignore[operator]
+        for n, p in pipe.named_parameters()
+    )
+    return {"loss_gap": abs(loss.item() - ref_loss.item()), "grad_gap": gap, "modes": modes}
+
+
+def _errors(mesh: Any) -> dict[str, str]:
+    import split_models as sm
+
+    torch.manual_seed(0)
+    pipe = meshpipe.Pipeline(sm.gpt2(4), mesh, "1f1b", 2, split_points=_points("gpt2", 4))
+    ids, _, _ = sm.tokens(batch=2, seq=30, seed=1)  # GPT-2 here has 32 positions
+    blocks = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    plain = meshpipe.Pipeline(blocks, mesh, "1f1b", 2)
+    return {
+        "too_long": _refusal(lambda: pipe.generate(ids, 3)),
+        "negative": _refusal(lambda: pipe.generate(ids[:, :4], -1)),
+        "no_cache": _refusal(lambda: plain.generate(ids[:, :4], 3)),
+    }
+
+
+def _worker() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    pp2 = meshpipe.init_mesh(pp=2, dp=2)
+    pp4 = meshpipe.init_mesh(pp=4)
+    res: dict[str, Any] = {
+        "llama pp2": _greedy("llama", pp2, 2),
+        "gpt2 pp2": _greedy("gpt2", pp2, 2),
+        "llama pp4": _greedy("llama", pp4, 4),
+    }
+    res["sampled"] = {
+        "pp2 lanes=1": _sampled(pp2, 2, 1, seed=7),
+        "pp2 lanes=3": _sampled(pp2, 2, 3, seed=7),
+        "pp4 lanes=4": _sampled(pp4, 4, None, seed=7),
+        "pp4 seed 8": _sampled(pp4, 4, None, seed=8),
+    }
+    res["train"] = _train_after_generate(pp4)
+    res["errors"] = _errors(pp4)
+    return res
+
+
+@cache
+def _results() -> list[dict[str, Any]]:
+    return run_on_ranks(_worker, 4, timeout=300.0)
+
+
+@pytest.mark.parametrize("case", ["llama pp2", "gpt2 pp2", "llama pp4"])
+def test_greedy_matches_hugging_face_generate(case: str) -> None:
+    for rank, res in enumerate(_results()):
+        r = res[case]
+        assert r.pop("eos_stops_early") and r.pop("padded rows after eos") > 0, (rank, case)
+        assert all(r.values()), (rank, case, r)
+
+
+def test_seeded_sampling_is_the_same_whatever_the_layout() -> None:
+    first = _results()[0]["sampled"]
+    for rank, res in enumerate(_results()):
+        s = res["sampled"]
+        assert s == first, rank  # every rank returns the same tokens
+        assert s["pp2 lanes=1"] == s["pp2 lanes=3"] == s["pp4 lanes=4"], rank
+        assert s["pp4 seed 8"] != s["pp4 lanes=4"], rank
+
+
+def test_training_step_after_generate_is_exact() -> None:
+    for rank, res in enumerate(_results()):
+        r = res["train"]
+        assert r["loss_gap"] < 1e-5 and r["grad_gap"] < 1e-5, (rank, r)
+        assert r["modes"] == {True}, (rank, r)  # generate() left train mode as it was
+
+
+def test_bad_input_is_refused_on_every_rank() -> None:
+    for rank, res in enumerate(_results()):
+        e = res["errors"]
+        assert "needs 33 positions, and the model has 32" in e["too_long"], (rank, e)
+        assert "max_new_tokens >= 0, got -1" in e["negative"], (rank, e)
+        assert "no cache path for a model given as stage modules" in e["no_cache"], (rank, e)
+
+
+def test_decode_order_keeps_every_rank_on_another_lane() -> None:
+    order = decode_order([0, 1, 2, 3], num_lanes=4, num_steps=3)
+    assert str(order.actions[0][0]) == "0L0@0"
+    for rank, row in enumerate(order.actions):
+        assert len(row) == 4 * 4  # every lane, steps 0..3
+        assert [a.stage for a in row] == [rank] * 16
+    # steady state: at time t rank r runs lane (t - r) mod 4
+    for t in range(4, 12):
+        lanes = {order.actions[r][t - r].lane for r in range(4)}
+        assert len(lanes) == 4, t
+    vshape = decode_order([0, 1, 1, 0], num_lanes=2, num_steps=2)
+    assert sorted(a.stage for a in vshape.actions[0]) == [0] * 6 + [3] * 6
