@@ -75,7 +75,7 @@ def _lm_batches(seed: int = 1) -> list[Any]:
 
 
 def _llama_tp(mesh: Any) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     import split_models as sm
@@ -90,7 +90,12 @@ def _llama_tp(mesh: Any) -> dict[str, Any]:
         "model.layers.*.mlp.up_proj": ColwiseParallel(),
         "model.layers.*.mlp.down_proj": RowwiseParallel(),
     }
-    for case, plan in (("auto", "auto"), ("explicit", explicit)):
+    # the head sharded over the vocabulary, its cross entropy run by loss parallel
+    vocab = {
+        **explicit,
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for case, plan in (("auto", "auto"), ("explicit", explicit), ("loss_parallel", vocab)):
         torch.manual_seed(0)
         model = sm.llama(num_layers=4)
         model.config.use_cache = True  # the default config: the split turns the cache off
@@ -99,7 +104,7 @@ def _llama_tp(mesh: Any) -> dict[str, Any]:
         model.model.layers[3].register_forward_hook(lambda *_, c=calls: c.append(1))
         pipe = meshpipe.Pipeline(
             model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan=plan,
-            split_points=["model.layers.2"],
+            split_points=["model.layers.2"], loss_parallel=case == "loss_parallel",
         )  # fmt: skip
         gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
         sharded = [n for n, p in pipe.named_parameters() if isinstance(p, DTensor)]
@@ -117,14 +122,14 @@ def _llama_results() -> list[dict[str, Any]]:
     return run_on_ranks(_llama_worker, 4, timeout=240.0)
 
 
-@pytest.mark.parametrize("case", ["auto", "explicit"])
+@pytest.mark.parametrize("case", ["auto", "explicit", "loss_parallel"])
 def test_llama_pp2_tp2_matches_one_process(case: str) -> None:
     for rank, res in enumerate(_llama_results()):
         r = res[case]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
         # 7 linear layers per block, 2 blocks per stage: all sharded over tp; "auto" also
         # shards the head (Llama declares lm_head "colwise_gather_output")
-        head = 1 if case == "auto" and rank >= 2 else 0
+        head = 1 if case in ("auto", "loss_parallel") and rank >= 2 else 0
         assert r["sharded"] == 14 + head, (rank, r)
         # a user's forward hook on a block runs: once while tracing (every rank), then per
         # microbatch on the ranks holding the block (4 microbatches x 3 steps)

@@ -72,7 +72,10 @@ class Pipeline:
     a difference raises PipelineError on every rank naming it (runtime/checks/agree.py).
     ``autocast=torch.bfloat16`` runs every stage's forward and the loss under
     ``torch.autocast`` (fp32 parameters and gradients, bf16 compute and activations on the
-    wire), with or without FSDP2.
+    wire), with or without FSDP2. ``loss_parallel=True`` runs the last stage's loss and its
+    backward inside torch's ``loss_parallel()``, for a head whose tp plan leaves the logits
+    sharded over the vocabulary (``ColwiseParallel(output_layouts=Shard(-1),
+    use_local_output=False)``).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         activation_checkpointing: Policy | Sequence[Policy] = None,
         compile: CompileOption = False,
+        loss_parallel: bool = False,
     ) -> None:
         self.check_inputs = check_mode(check_inputs, mesh)
         check_autocast(autocast)
@@ -108,6 +112,9 @@ class Pipeline:
         check_policy(activation_checkpointing)
         self._recompute = activation_checkpointing
         self._compile = compile_options(compile)
+        if not isinstance(loss_parallel, bool):
+            raise PipelineError(f"loss_parallel must be True or False, got {loss_parallel!r}")
+        self._loss_parallel = loss_parallel
         check_timeout(timeout)
         # one mesh, or one per pp rank (init_stage_meshes)
         self.topology = topo = pipeline_topology(mesh, pp_axis, dp_axis, tp_axis)
@@ -179,6 +186,11 @@ class Pipeline:
             self._runners, modules, self.schedule, self.topology, self._spmd, self.timeout,
             self._training, opts,
         )  # fmt: skip
+        if self._loss_parallel:  # the loss and its backward over vocabulary-sharded logits
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            for runner in self._runners.values():
+                runner.loss_context = loss_parallel
 
     def _ensure_split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Split a whole model once its inputs are known (collective; see meshpipe.split)."""

@@ -94,6 +94,8 @@ class StageRunner:
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
         self.keep_outputs = False  # last stage, training: keep outputs too
         self.released_bytes = 0  # saved tensors dropped between I and W (runtime/step/slim.py)
+        # last stage: a context its loss and backward run in (Pipeline(loss_parallel=True))
+        self.loss_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
 
     def reset(self) -> None:
         self._saved.clear()
@@ -199,7 +201,8 @@ class StageRunner:
         case)."""
         if self.loss_fn is None:
             raise PipelineError("step() needs a loss_fn; pass loss_fn= to Pipeline")
-        with self._mixed():  # autocast computes losses such as mse and cross entropy in fp32
+        # autocast computes losses such as mse and cross entropy in fp32
+        with self._mixed(), self._loss_scope():
             result = self.loss_fn(*loss_args(self._loss_use, out, target))
         if isinstance(result, (tuple, list)):
             if len(result) != 2:
@@ -213,14 +216,26 @@ class StageRunner:
                 c = count.detach().to(torch.float64).reshape(())
             else:
                 c = torch.tensor(float(count), dtype=torch.float64)
-            return total, LossRecord(_scalar(total.detach()), c), torch.ones_like(total.detach())
+            record = LossRecord(_scalar(_plain(total.detach())), _plain(c))
+            return total, record, torch.ones_like(total.detach())
         _check_scalar(result, mb)
         value = result.detach()
         seed = torch.full_like(value, share)
-        return result, LossRecord(_scalar(value), None, share), seed
+        return result, LossRecord(_scalar(_plain(value)), None, share), seed
+
+    def _loss_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """The last stage's loss and its backward run inside ``loss_context`` (torch's
+        ``loss_parallel()``: a cross entropy over vocabulary-sharded logits)."""
+        if self.is_last and self.loss_context is not None:
+            return self.loss_context()
+        return contextlib.nullcontext()
 
     def backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         """B (``split=False``) or I (``split=True``); returns gradients of the stage inputs."""
+        with self._loss_scope():
+            return self._backward(mb, grads, split)
+
+    def _backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         saved = self._saved[mb]
         split = split and not self.fused_backward
         boxes = Boxes() if split and saved.replay is not None else None
@@ -259,7 +274,8 @@ class StageRunner:
             return
         saved = self._saved.pop(mb)
         if saved.pending is not None:
-            saved.pending.run()
+            with self._loss_scope():
+                saved.pending.run()
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -284,6 +300,12 @@ def _as_layout(g: torch.Tensor | None, layout: Any) -> torch.Tensor | None:
     if isinstance(g, DTensor):
         return g if g.placements == placements else g.redistribute(mesh, placements)
     return distribute_tensor(g, mesh, placements, src_data_rank=None)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed over DTensors (loss parallel: replicated) as a plain tensor, for the
+    end-of-step reduction."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
