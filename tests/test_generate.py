@@ -21,8 +21,27 @@ pytest.importorskip("transformers")
 NEW = 10  # new tokens per call
 
 
+def _model(kind: str) -> Any:
+    """A 4-layer model of the family, random weights, 32 positions, vocab 64."""
+    import split_models as sm
+
+    if kind in ("llama", "gpt2"):
+        return getattr(sm, kind)(4)
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config, cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[kind]
+    cfg = config(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=sm.VOCAB, max_position_embeddings=32,
+    )  # fmt: skip
+    return cls(cfg)
+
+
 def _points(kind: str, num_stages: int, num_layers: int = 4) -> list[str]:
-    prefix = "model.layers" if kind == "llama" else "transformer.h"
+    prefix = "transformer.h" if kind == "gpt2" else "model.layers"
     step = num_layers // num_stages
     return [f"{prefix}.{i}" for i in range(step, num_layers, step)]
 
@@ -41,7 +60,7 @@ def _greedy(kind: str, mesh: Any, num_stages: int) -> dict[str, Any]:
     import split_models as sm
 
     torch.manual_seed(0)
-    model = getattr(sm, kind)(4).eval()
+    model = _model(kind).eval()
     ref = copy.deepcopy(model)
     ids, mask, _ = sm.tokens(batch=7, seq=6, seed=3)  # rows padded on the left by 0..2
     pipe = meshpipe.Pipeline(
@@ -134,6 +153,8 @@ def _worker() -> dict[str, Any]:
         "llama pp2": _greedy("llama", pp2, 2),
         "gpt2 pp2": _greedy("gpt2", pp2, 2),
         "llama pp4": _greedy("llama", pp4, 4),
+        "qwen2 pp2": _greedy("qwen2", pp2, 2),
+        "mistral pp4": _greedy("mistral", pp4, 4),
     }
     res["sampled"] = {
         "pp2 lanes=1": _sampled(pp2, 2, 1, seed=7),
@@ -151,7 +172,7 @@ def _results() -> list[dict[str, Any]]:
     return run_on_ranks(_worker, 4, timeout=300.0)
 
 
-@pytest.mark.parametrize("case", ["llama pp2", "gpt2 pp2", "llama pp4"])
+@pytest.mark.parametrize("case", ["llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4"])
 def test_greedy_matches_hugging_face_generate(case: str) -> None:
     for rank, res in enumerate(_results()):
         r = res[case]
