@@ -113,18 +113,8 @@ def generate(
     sampling = Sampling(do_sample, float(temperature), top_k, top_p, seed)
     window = _window(family, config)
     lanes_wanted = min(num_lanes or topo.pp_size, input_ids.shape[0])
-    weights = torch.arange(1, input_ids.numel() + 1, dtype=torch.long).view(input_ids.shape)
-    fingerprint = (int((input_ids.cpu().long() * weights).sum()), int((mask.cpu() * weights).sum()))
-    names = ("shapes", "max_new_tokens", "sampling options", "eos/pad", "lanes", "input values")
-    fields = (
-        tuple(input_ids.shape),
-        max_new_tokens,
-        sampling,
-        (eos, pad),
-        lanes_wanted,
-        fingerprint,
-    )
-    agree(names, fields, topo.pp_group, topo.device, target.timeout, topo.pp_rank)
+    options = (max_new_tokens, sampling, (eos, pad), lanes_wanted)
+    _agree_call(target, input_ids, mask, options)
     if max_new_tokens == 0:
         return input_ids.clone()
     split_kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
@@ -145,6 +135,19 @@ def generate(
     last_stats.num_lanes = len(lanes)
     new = _share_tokens(target, lanes, pad)
     return torch.cat([input_ids, new.to(input_ids.device, input_ids.dtype)], dim=1)
+
+
+def _agree_call(
+    target: GenTarget, ids: torch.Tensor, mask: torch.Tensor, options: tuple[Any, ...]
+) -> None:
+    """The pp ranks agree they were given the same call: shapes, options, and prompt values
+    (position-weighted sums of the ids and the mask)."""
+    topo = target.topology
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.long).view(ids.shape)
+    values = (int((ids.cpu().long() * weights).sum()), int((mask.cpu() * weights).sum()))
+    names = ("shapes", "max_new_tokens", "sampling options", "eos/pad", "lanes", "input values")
+    fields = (tuple(ids.shape), *options, values)
+    agree(names, fields, topo.pp_group, topo.device, target.timeout, topo.pp_rank)
 
 
 def _share_tokens(target: GenTarget, lanes: list[Lane], pad: int | None) -> torch.Tensor:
