@@ -142,6 +142,8 @@ def _errors(mesh: Any) -> dict[str, str]:
         "too_long": _refusal(lambda: pipe.generate(ids, 3)),
         "negative": _refusal(lambda: pipe.generate(ids[:, :4], -1)),
         "no_cache": _refusal(lambda: plain.generate(ids[:, :4], 3)),
+        # pp rank 1 asks for one more token than the others
+        "differs": _refusal(lambda: pipe.generate(ids[:, :4], 3 + (pipe.topology.pp_rank == 1))),
     }
 
 
@@ -202,6 +204,7 @@ def test_bad_input_is_refused_on_every_rank() -> None:
         assert "needs 33 positions, and the model has 32" in e["too_long"], (rank, e)
         assert "max_new_tokens >= 0, got -1" in e["negative"], (rank, e)
         assert "no cache path for a model given as stage modules" in e["no_cache"], (rank, e)
+        assert "rank(s) [1] passed different max_new_tokens" in e["differs"], (rank, e)
 
 
 def test_decode_order_keeps_every_rank_on_another_lane() -> None:
