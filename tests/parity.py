@@ -120,10 +120,13 @@ def autocast_parity(mesh: Any, name: str, seed: int, **options: Any) -> dict[str
 
 
 def dp_batch(x: torch.Tensor, mesh: Any) -> torch.Tensor:
-    """This dp replica's slice of the global batch (replicas take it in order)."""
+    """This dp replica's slice of the global batch (replicas take it in order; with a
+    dp_replicate axis the dp_replicate x dp replicas, replicate-major)."""
     names = mesh.mesh_dim_names
     dp = mesh.size(names.index("dp"))
-    return torch.tensor_split(x, dp)[mesh.get_local_rank("dp")]
+    rep = mesh.size(names.index("dp_replicate")) if "dp_replicate" in names else 1
+    index = (mesh.get_local_rank("dp_replicate") * dp if rep > 1 else 0) + mesh.get_local_rank("dp")
+    return torch.tensor_split(x, rep * dp)[index]
 
 
 def parity_case(

@@ -12,18 +12,20 @@ __all__ = ["clip_grad_norm_", "replication_factor"]
 
 
 def replication_factor(p: torch.Tensor, axis_sizes: Mapping[str, int], pp_axis: str) -> int:
-    """How many ranks of the non-pp axes hold this exact shard of ``p``'s gradient."""
+    """How many ranks of the non-pp axes hold this exact shard of ``p``'s gradient: every
+    process of those axes, divided by the sizes of the dims ``p`` is sharded over (its own
+    mesh's dims, which may be axes of the world mesh or flattened groups of them, such as
+    FSDP2's over dp_replicate x dp)."""
     factor = 1
-    sharded_axes: set[str] = set()
-    if isinstance(p, DTensor):
-        names = p.device_mesh.mesh_dim_names or ()
-        for name, placement in zip(names, p.placements):
-            if not isinstance(placement, Replicate):
-                sharded_axes.add(name)
     for axis, size in axis_sizes.items():
-        if axis != pp_axis and axis not in sharded_axes:
+        if axis != pp_axis:
             factor *= size
-    return factor
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        for dim, placement in enumerate(p.placements):
+            if not isinstance(placement, Replicate):
+                factor //= mesh.size(dim)
+    return max(factor, 1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

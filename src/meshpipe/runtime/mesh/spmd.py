@@ -1,5 +1,7 @@
-"""Per-stage SPMD on the non-pp axes, as the Pipeline runs it: TP, then FSDP2 or DDP-style
-replicas on dp, with gradient reduction once per step started at each stage's last backward."""
+"""Per-stage SPMD on the non-pp axes, as the Pipeline runs it: TP, then FSDP2 (over every
+replica, or HSDP over the (dp_replicate, dp) sub-mesh) or DDP-style replicas over
+dp_replicate x dp, with gradient reduction once per step started at each stage's last
+backward."""
 
 from __future__ import annotations
 
@@ -24,8 +26,14 @@ from meshpipe.schedule.ir import Action, Op, Schedule
 
 __all__ = ["Spmd", "DP_MODES"]
 
-DP_MODES = (None, "ddp", "fsdp")
+DP_MODES = (None, "ddp", "fsdp", "hsdp")
+SHARDED = ("fsdp", "hsdp")  # the modes FSDP2 runs
 Hook = Callable[[], None]
+
+
+def _ring(nbytes: int, n: int) -> int:
+    """Bytes one process sends in a ring all-gather or reduce-scatter of ``nbytes`` over n."""
+    return nbytes * (n - 1) // n
 
 
 class Spmd:
@@ -55,10 +63,22 @@ class Spmd:
                 f"a mesh's tp axis has size {self._tp_sizes[-1]} but no tp_plan was given; "
                 "pass tp_plan={'*.up': ColwiseParallel(), ...} or build the mesh with tp=1"
             )
-        if mp_policy is not None and dp != "fsdp":
-            raise PipelineError("mp_policy needs dp='fsdp' (FSDP2 applies mixed precision)")
+        if mp_policy is not None and dp not in SHARDED:
+            raise PipelineError(
+                "mp_policy needs dp='fsdp' or 'hsdp' (FSDP2 applies mixed precision)"
+            )
+        if dp == "hsdp" and topo.dp_size > 1 and topo.hsdp_mesh is None and not lay.stage_meshes:
+            raise PipelineError(
+                "dp='hsdp' shards within 'dp' and replicates across 'dp_replicate', but the "
+                "mesh has no 'dp_replicate' axis; build it with meshpipe.init_mesh(pp=..., "
+                "dp_replicate=..., dp=...), or pass dp='fsdp'"
+            )
         self.topo = topo
-        self.dp = dp if topo.dp_size > 1 else None  # dp= on a size-1 axis is a no-op
+        self.dp = dp if topo.dp_size > 1 else None  # dp= on size-1 axes is a no-op
+        # FSDP2's unit: the 2-d (dp_replicate, dp) mesh for hsdp, every replica for fsdp (and
+        # for hsdp on a stage mesh without dp_replicate: replicated across none)
+        hsdp = self.dp == "hsdp" and topo.hsdp_mesh is not None
+        self._shard_mesh = topo.hsdp_mesh if hsdp else topo.dp_mesh
         self.plain_allreduce = dp is None and topo.dp_size > 1
         self.tp_plan = tp_plan
         self.mp_policy = mp_policy
@@ -84,9 +104,9 @@ class Spmd:
             check_tp_plan(all_stages, self._plan_to_check, tp, applies)  # type: ignore[arg-type]
 
     def wrap(self, stage: int, module: nn.Module, timeout: float = 300.0) -> nn.Module:
-        """Apply TP, make the dp replicas equal (dp replica 0's parameters and buffers, for
-        every dp mode; before FSDP2 shards them), then FSDP2 or replica sync, to one local
-        stage module."""
+        """Apply TP, make the dp replicas equal (replica 0's parameters and buffers, over
+        dp_replicate x dp, for every dp mode; before FSDP2 shards them), then FSDP2 or
+        replica sync, to one local stage module."""
         topo = self.topo
         if self.tp_plan is not None and topo.tp_mesh is not None:
             apply_tp(module, topo.tp_mesh, self.tp_plan)
@@ -97,23 +117,34 @@ class Spmd:
             )  # fmt: skip
         param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         dp = topo.dp_size
-        if self.dp == "fsdp" and topo.dp_mesh is not None:
-            sharded = apply_fsdp(module, topo.dp_mesh, self.mp_policy)
+        if self.dp in SHARDED and self._shard_mesh is not None:
+            sharded = apply_fsdp(module, self._shard_mesh, self.mp_policy)
             self._fsdp[stage] = sharded
             self._param_bytes[stage] = param_bytes
-            # at least one all-gather and one reduce-scatter of the stage per step (ring);
+            # at least one all-gather and one reduce-scatter of the stage per step (ring),
+            # hsdp: within dp, then an all-reduce of the shard across dp_replicate;
             # re-gathers after idle-time reshards are added when the step's hooks are planned
-            self._dp_bytes_base += 2 * param_bytes * (dp - 1) // dp
-            self.dp_bytes_per_step += 2 * param_bytes * (dp - 1) // dp
-            self.dp_bytes_min += 2 * param_bytes * (dp - 1) // dp
+            shard = self._shard_size
+            rep = dp // shard
+            base = 2 * _ring(param_bytes, shard) + 2 * _ring(param_bytes // shard, rep)
+            self._dp_bytes_base += base
+            self.dp_bytes_per_step += base
+            self.dp_bytes_min += base
         elif self.dp == "ddp" and topo.dp_group is not None:
             self._syncs[stage] = GradSync(list(module.parameters()), topo.dp_group)
-            self.dp_bytes_per_step += 2 * param_bytes * (dp - 1) // dp
-            self.dp_bytes_min += 2 * param_bytes * (dp - 1) // dp
+            self.dp_bytes_per_step += 2 * _ring(param_bytes, dp)
+            self.dp_bytes_min += 2 * _ring(param_bytes, dp)
         elif self.plain_allreduce:
-            self.dp_bytes_per_step += 2 * param_bytes * (dp - 1) // dp
-            self.dp_bytes_min += 2 * param_bytes * (dp - 1) // dp
+            self.dp_bytes_per_step += 2 * _ring(param_bytes, dp)
+            self.dp_bytes_min += 2 * _ring(param_bytes, dp)
         return module
+
+    @property
+    def _shard_size(self) -> int:
+        """How many processes FSDP2 shards a stage over (hsdp: the dp axis only)."""
+        if self.dp == "hsdp":
+            return self.topo.dp_size // self.topo.replicate_size
+        return self.topo.dp_size
 
     def begin_step(self) -> None:
         for module in self._fsdp.values():
@@ -140,16 +171,17 @@ class Spmd:
                 after.setdefault(a, []).extend(hs)
             for a, hs in plan.before.items():
                 before.setdefault(a, []).extend(hs)
-            dp = self.topo.dp_size
+            shard = self._shard_size
             self.dp_bytes_per_step = self._dp_bytes_base + sum(
-                n * self._param_bytes[s] * (dp - 1) // dp for s, n in plan.regathers.items()
+                n * _ring(self._param_bytes[s], shard) for s, n in plan.regathers.items()
             )
         return before, after
 
     def finish_step(self, timeout: float, watchdog: Watchdog | None = None) -> float:
         """Wait for replica reductions (stream waits under a CUDA ``watchdog``); returns the
-        factor the reduced grads still need relative to a plain sum over dp (FSDP2
-        averages, so it needs ``dp_size``)."""
+        factor the reduced grads still need relative to a plain sum over every replica
+        (FSDP2 averages over them, hsdp too: over dp, then across dp_replicate, so it needs
+        ``dp_size``)."""
         for sync in self._syncs.values():
             sync.finish(
                 lambda w: wait_bounded(w, timeout, "the gradient all-reduce over dp", watchdog)

@@ -11,6 +11,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError
+from meshpipe.runtime.mesh.axes import (
+    REPLICATE,
+    check_degree,
+    check_not_built,
+    dp_groups,
+    flatten_dp,
+    flattened,
+)
 from meshpipe.runtime.mesh.layout import Layout, gather_parts
 from meshpipe.runtime.mesh.topology import Topology, init_default_group, mesh_device
 from meshpipe.runtime.step.microbatch import (
@@ -25,27 +33,26 @@ from meshpipe.schedule.ir import Schedule
 
 __all__ = ["init_stage_meshes", "stage_topology", "is_stage_meshes"]
 
-STAGE_AXES = ("dp", "tp")
+STAGE_AXES = (REPLICATE, "dp", "tp")  # a stage mesh's axes; dp_replicate only when above 1
+SHAPE_KEYS = (REPLICATE, "dp", "cp", "tp", "ep")  # what a shape may name (cp, ep: size 1)
 
 
-def _shape(i: int, shape: object) -> tuple[int, int]:
+def _shape(i: int, shape: object) -> tuple[int, int, int]:
+    """(dp_replicate, dp, tp) of stage mesh ``i``'s shape, checked."""
     if not isinstance(shape, Mapping):
         raise PipelineError(
             f"stage mesh {i} is {shape!r}; give a dict of axis sizes such as {{'dp': 2}} or "
             "{'tp': 2} (missing axes have size 1)"
         )
-    unknown = sorted(str(k) for k in shape if k not in STAGE_AXES)
+    unknown = sorted(str(k) for k in shape if k not in SHAPE_KEYS)
     if unknown:
         raise PipelineError(
-            f"stage mesh {i} names axes {unknown}; a stage mesh has the axes {STAGE_AXES}"
+            f"stage mesh {i} names axes {unknown}; a stage mesh has the axes {SHAPE_KEYS}"
         )
-    sizes = []
-    for axis in STAGE_AXES:
-        v = shape.get(axis, 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PipelineError(f"stage mesh {i}: {axis} must be an int >= 1, got {v!r}")
-        sizes.append(v)
-    return sizes[0], sizes[1]
+    where = f"stage mesh {i}: "
+    sizes = {axis: check_degree(axis, shape.get(axis, 1), where) for axis in SHAPE_KEYS}
+    check_not_built(sizes, where)
+    return sizes[REPLICATE], sizes["dp"], sizes["tp"]
 
 
 def init_stage_meshes(
@@ -53,13 +60,17 @@ def init_stage_meshes(
     device_type: str | None = None,
     timeout: float = 300.0,
 ) -> list[DeviceMesh]:
-    """One DeviceMesh per pp rank, axes ("dp", "tp") of the sizes given (size-1 axes kept),
-    over consecutive global ranks: ``init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 2}])``
-    puts pp rank 0 on process 0, pp rank 1 on processes 1-2 (dp) and pp rank 2 on 3-4 (tp).
+    """One DeviceMesh per pp rank, axes ("dp", "tp") of the sizes given (size-1 axes kept;
+    ("dp_replicate", "dp", "tp") when dp_replicate is above 1), over consecutive global
+    ranks: ``init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 2}])`` puts pp rank 0 on
+    process 0, pp rank 1 on processes 1-2 (dp) and pp rank 2 on 3-4 (tp).
 
-    The sizes must add up to the world size. The default process group is initialised from
-    torchrun's environment when none exists, as :func:`meshpipe.init_mesh` does; an
-    existing one is used as it is. Every process builds every mesh (collective).
+    A shape may name ``dp_replicate``, ``dp``, ``cp``, ``tp`` and ``ep`` (``cp`` and ``ep``
+    of size 1 only, for now); ``dp_replicate x dp`` replicas split each microbatch's rows
+    in order, replicate-major. The sizes must add up to the world size. The default process
+    group is initialised from torchrun's environment when none exists, as
+    :func:`meshpipe.init_mesh` does; an existing one is used as it is. Every process builds
+    every mesh (collective).
     """
     if isinstance(shapes, (str, bytes, Mapping)) or not isinstance(shapes, Sequence):
         raise PipelineError(
@@ -70,19 +81,26 @@ def init_stage_meshes(
     sizes = [_shape(i, s) for i, s in enumerate(shapes)]
     device_type = init_default_group(device_type, timeout)
     world = dist.get_world_size()
-    total = sum(dp * tp for dp, tp in sizes)
+    total = sum(rep * dp * tp for rep, dp, tp in sizes)
     if total != world:
-        counts = " + ".join(f"{dp * tp}" for dp, tp in sizes)
+        counts = " + ".join(f"{rep * dp * tp}" for rep, dp, tp in sizes)
         raise PipelineError(
             f"the stage meshes {list(shapes)} need {counts} = {total} processes, but the world "
-            f"size is {world}; the sizes (dp x tp per stage mesh) must add up to the world size"
+            f"size is {world}; the sizes (dp_replicate x dp x tp per stage mesh) must add up "
+            "to the world size"
         )
     meshes = []
     base = 0
-    for dp, tp in sizes:
-        ids = torch.arange(base, base + dp * tp).reshape(dp, tp)
-        meshes.append(DeviceMesh(device_type, ids, mesh_dim_names=STAGE_AXES))
-        base += dp * tp
+    for rep, dp, tp in sizes:
+        ids = torch.arange(base, base + rep * dp * tp)
+        if rep > 1:
+            mesh = DeviceMesh(device_type, ids.reshape(rep, dp, tp), mesh_dim_names=STAGE_AXES)
+            if dp > 1:  # the group of every replica, made here where every process is
+                flatten_dp(mesh, "dp")
+        else:
+            mesh = DeviceMesh(device_type, ids.reshape(dp, tp), mesh_dim_names=STAGE_AXES[1:])
+        meshes.append(mesh)
+        base += rep * dp * tp
     return meshes
 
 
@@ -91,6 +109,8 @@ def is_stage_meshes(mesh: object) -> bool:
 
 
 def _grid(i: int, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+    """Stage mesh ``i``'s processes as rows (the dp_replicate x dp replicas,
+    replicate-major) of its tp ranks."""
     names = tuple(mesh.mesh_dim_names or ())
     if not names or any(n not in STAGE_AXES for n in names) or len(set(names)) != len(names):
         raise PipelineError(
@@ -98,13 +118,19 @@ def _grid(i: int, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
             "(build the meshes with meshpipe.init_stage_meshes)"
         )
     ids = mesh.mesh
-    dims = [names.index(a) if a in names else None for a in STAGE_AXES]
-    for a, d in zip(STAGE_AXES, dims, strict=True):
-        if d is None:
-            ids = ids.unsqueeze(-1 if a == "tp" else 0)
-    if names == ("tp", "dp"):
-        ids = ids.t()
-    return tuple(tuple(int(r) for r in row) for row in ids.reshape(ids.shape[0], -1).tolist())
+    for axis in STAGE_AXES:  # missing axes as size-1 dims, then in STAGE_AXES order
+        if axis not in names:
+            ids = ids.unsqueeze(-1)
+            names = (*names, axis)
+    ids = ids.permute(*(names.index(a) for a in STAGE_AXES))
+    tp = ids.shape[-1]
+    return tuple(tuple(int(r) for r in row) for row in ids.reshape(-1, tp).tolist())
+
+
+def _named(pp: int, replicate: int, rep: int, dp: int, tp: int) -> dict[str, int]:
+    """pp, dp_replicate (only when the mesh has it above 1), dp and tp, by name."""
+    out = {"pp": pp} | ({REPLICATE: replicate} if rep > 1 else {})
+    return out | {"dp": dp, "tp": tp}
 
 
 def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
@@ -133,8 +159,17 @@ def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
     layout = Layout(grids, tuple(range(world)), me, stage_meshes=True)
     pp, d, t = layout.place(me)
     mesh = meshes[pp]
-    dp, tp = layout.shape(pp)
+    rows, tp = layout.shape(pp)
     names = tuple(mesh.mesh_dim_names or ())
+    rep = mesh.size(names.index(REPLICATE)) if REPLICATE in names else 1
+    if rep > 1 and rows > rep and not flattened(mesh, "dp"):
+        raise PipelineError(
+            f"stage mesh {pp} has dp_replicate={rep} and dp={rows // rep}: build the stage "
+            "meshes with meshpipe.init_stage_meshes (it makes the group of every replica, "
+            "which every process must join)"
+        )
+    dps = dp_groups(mesh, "dp")
+    dp = rows // rep
     world_group = dist.group.WORLD
     if world_group is None:
         raise PipelineError("stage meshes need the default process group")
@@ -143,15 +178,17 @@ def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
         pp_size=len(meshes),
         pp_group=world_group,
         pp_global_ranks=tuple(g[0][0] for g in grids),
-        dp_group=mesh.get_group("dp") if dp > 1 else None,
-        dp_size=dp,
-        dp_mesh=mesh["dp"] if "dp" in names else None,
+        dp_group=dps.group,
+        dp_size=dps.size,
+        dp_mesh=dps.flat,
         tp_size=tp,
         tp_mesh=mesh["tp"] if "tp" in names else None,
         device=mesh_device(mesh),
-        coords={"pp": pp, "dp": d, "tp": t},
-        axis_sizes={"pp": len(meshes), "dp": dp, "tp": tp},
+        coords=_named(pp, d // dp, rep, d % dp, t),
+        axis_sizes=_named(len(meshes), rep, rep, dp, tp),
         layout=layout,
+        replicate_size=rep,
+        hsdp_mesh=dps.hsdp,
     )
 
 

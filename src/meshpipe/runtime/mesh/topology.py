@@ -12,6 +12,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshpipe.errors import PipelineError
+from meshpipe.runtime.mesh.axes import (
+    MESH_AXES,
+    REPLICATE,
+    check_degree,
+    check_not_built,
+    dp_groups,
+)
 from meshpipe.runtime.mesh.compat import check_torch_version
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.transfer.channels import Channels
@@ -19,23 +26,26 @@ from meshpipe.runtime.transfer.channels import Channels
 __all__ = ["init_mesh", "init_default_group", "mesh_device", "Topology", "pp_channels"]
 
 log = logging.getLogger(__name__)
-AXES = ("pp", "dp", "tp")
-
-
-def _check_degree(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PipelineError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+AXES = MESH_AXES
 
 
 def init_mesh(
     pp: int,
+    dp_replicate: int = 1,
     dp: int = 1,
+    cp: int = 1,
     tp: int = 1,
+    ep: int = 1,
     device_type: str | None = None,
     timeout: float = 300.0,
 ) -> DeviceMesh:
-    """A DeviceMesh with axes ("pp", "dp", "tp") over all processes (size-1 axes kept).
+    """A DeviceMesh with axes ("pp", "dp_replicate", "dp", "cp", "tp") over all processes
+    (size-1 axes kept); the degrees must multiply to the world size.
+
+    ``dp_replicate`` and ``dp`` split the batch rows (``dp_replicate x dp`` replicas, in
+    order, replicate-major); ``dp="hsdp"`` shards within ``dp`` and replicates across
+    ``dp_replicate`` (docs/axes.md). ``cp`` and ``ep`` (which adds no processes) are
+    accepted with size 1 only for now.
 
     Initialises the default process group from torchrun's environment variables when none
     exists: gloo on CPU; ``"cpu:gloo,cuda:nccl"`` when CUDA is present, on device
@@ -44,14 +54,20 @@ def init_mesh(
     ``timeout`` bounds collectives (seconds).
     """
     check_torch_version()
-    sizes = tuple(_check_degree(n, v) for n, v in zip(AXES, (pp, dp, tp)))
+    given = {"pp": pp, "dp_replicate": dp_replicate, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+    degrees = {name: check_degree(name, value) for name, value in given.items()}
+    check_not_built(degrees)
+    sizes = tuple(degrees[axis] for axis in AXES)
     device_type = init_default_group(device_type, timeout)
     world = dist.get_world_size()
-    product = sizes[0] * sizes[1] * sizes[2]
+    product = 1
+    for size in sizes:
+        product *= size
     if product != world:
+        named = " x ".join(f"{axis}={degrees[axis]}" for axis in AXES)
         raise PipelineError(
-            f"mesh pp={pp} x dp={dp} x tp={tp} = {product} processes, but the world size is "
-            f"{world}; the product of the degrees must equal the world size"
+            f"mesh {named} = {product} processes, but the world size is {world}; the "
+            "product of the degrees must equal the world size (ep adds no processes)"
         )
     return init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
 
@@ -81,7 +97,12 @@ def init_default_group(device_type: str | None, timeout: float) -> str:
 
 @dataclass(frozen=True)
 class Topology:
-    """This process's place: pp rank, the pp group's global ranks, the dp and tp sub-meshes."""
+    """This process's place: pp rank, the pp group's global ranks, the dp and tp sub-meshes.
+
+    ``dp_size``, ``dp_group`` and ``dp_mesh`` cover every data-parallel replica: the
+    ``dp_replicate x dp`` processes that hold the same stages and take other rows (the
+    flattened sub-mesh when both axes exceed 1). ``hsdp_mesh`` is the 2-d ``(dp_replicate,
+    dp)`` sub-mesh that ``dp="hsdp"`` shards over, ``replicate_size`` its first size."""
 
     pp_rank: int
     pp_size: int
@@ -96,6 +117,15 @@ class Topology:
     coords: dict[str, int]
     axis_sizes: dict[str, int]
     layout: Layout  # the processes of every pp rank (uniform mesh: one per pp rank)
+    replicate_size: int = 1
+    hsdp_mesh: DeviceMesh | None = None
+
+    @property
+    def dp_index(self) -> int:
+        """This process's replica: its row slice of the global batch (replicate-major)."""
+        return self.coords.get(REPLICATE, 0) * (self.dp_size // self.replicate_size) + (
+            self.coords.get("dp", 0)
+        )
 
     @property
     def stage_meshes(self) -> bool:
@@ -113,13 +143,16 @@ class Topology:
                 "build it with meshpipe.init_mesh(pp=...) or pass pp_axis="
             )
         sizes = {axis: mesh.size(names.index(axis)) for axis in names}
+        check_not_built(sizes, "the mesh has ")
+        known = (pp_axis, REPLICATE, dp_axis, "cp", tp_axis)
         for axis, size in sizes.items():
-            if axis not in (pp_axis, dp_axis, tp_axis) and size > 1:
+            if axis not in known and size > 1:
                 raise PipelineError(
                     f"mesh axis {axis!r} has size {size}; meshpipe knows the axes "
-                    f"{pp_axis!r}, {dp_axis!r} and {tp_axis!r}"
+                    f"{', '.join(repr(a) for a in known)}"
                 )
-        dp_size, tp_size = sizes.get(dp_axis, 1), sizes.get(tp_axis, 1)
+        tp_size = sizes.get(tp_axis, 1)
+        dps = dp_groups(mesh, dp_axis)
         pp_group = mesh.get_group(pp_axis)
         pp_ranks = tuple(dist.get_process_group_ranks(pp_group))
         pp_rank = mesh.get_local_rank(pp_axis)
@@ -128,15 +161,17 @@ class Topology:
             pp_size=sizes[pp_axis],
             pp_group=pp_group,
             pp_global_ranks=pp_ranks,
-            dp_group=mesh.get_group(dp_axis) if dp_size > 1 else None,
-            dp_size=dp_size,
-            dp_mesh=mesh[dp_axis] if dp_axis in names else None,
+            dp_group=dps.group,
+            dp_size=dps.size,
+            dp_mesh=dps.flat,
             tp_size=tp_size,
             tp_mesh=mesh[tp_axis] if tp_axis in names else None,
             device=mesh_device(mesh),
             coords={axis: mesh.get_local_rank(axis) for axis in names},
             axis_sizes=sizes,
             layout=Layout.uniform(pp_ranks, pp_rank),
+            replicate_size=dps.replicate_size,
+            hsdp_mesh=dps.hsdp,
         )
 
 
@@ -150,21 +185,27 @@ def pp_channels(topo: Topology) -> Channels:
     """The groups of this process's transfers along pp: data on the pp group itself, and a
     gloo group over the same ranks for control messages (made here, by the pp group's
     members only). On CUDA the pp group's NCCL communicator is set up eagerly, so that the
-    first batched send/receive need not involve every rank of the group."""
+    first batched send/receive need not involve every rank of the group.
+
+    With stage meshes the groups span the world and every process makes them, so they are
+    named by the world's group count: a locally synchronised group is named from how many
+    groups each member holds, which differs between processes of meshes of other shapes
+    (a dp_replicate axis is one group more)."""
     ranks = topo.layout.ranks
     if len(ranks) == 1:
         return Channels(topo.pp_group, topo.pp_group, ranks, batched=False)
+    local = not topo.stage_meshes
     ctrl = dist.new_group(
         list(ranks),
         backend="gloo",
         # its readers wait for a peer's next message for as long as a step lasts, however
         # long that is; every wait of the main thread on it carries its own timeout
         timeout=datetime.timedelta(days=7),
-        use_local_synchronization=True,
+        use_local_synchronization=local,
     )
     data = topo.pp_group
     if topo.stage_meshes:  # a group of its own for the transfers, as a pp group is
-        data = dist.new_group(list(ranks), use_local_synchronization=True)
+        data = dist.new_group(list(ranks), use_local_synchronization=local)
     cuda = topo.device.type == "cuda"
     if cuda:
         dist.all_reduce(torch.zeros(1, device=topo.device), group=data)

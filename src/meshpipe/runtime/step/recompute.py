@@ -112,7 +112,7 @@ def backward_plan(policy: Policy, full: bool, compiled: str, dp: str | None) -> 
     recomputes per backward call, so there the whole backward runs in I (W empty) rather
     than recomputing twice. A stage compiled with a fused backward (``compiled ==
     "fused"``) runs it whole in I; a split one (``"split"``) keeps I and W apart."""
-    replay = full and not compiled and dp != "fsdp"
+    replay = full and not compiled and dp not in ("fsdp", "hsdp")
     return replay, compiled == "fused" or (policy is not None and not replay)
 
 

@@ -1,0 +1,99 @@
+"""The mesh's axes, their degrees checked, and the data-parallel groups they make.
+
+``dp_replicate`` and ``dp`` both split the batch rows: the ``dp_replicate x dp`` replicas
+take the global batch's row slices in order, replicate-major (replica
+``r * dp + d`` is at ``dp_replicate = r, dp = d``). Every data-parallel reduction (the loss,
+DDP-style gradients, the replicas' initial broadcast) runs over one group holding all of
+them: the flattened ``(dp_replicate, dp)`` sub-mesh. FSDP2 shards over that flat group
+(``dp="fsdp"``), or over the 2-d sub-mesh (``dp="hsdp"``: sharded within ``dp``,
+replicated across ``dp_replicate``). ``cp`` and ``ep`` are accepted with size 1 only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshpipe.errors import PipelineError
+
+__all__ = [
+    "MESH_AXES",
+    "REPLICATE",
+    "DpGroups",
+    "check_degree",
+    "check_not_built",
+    "dp_groups",
+    "flatten_dp",
+    "flattened",
+]
+
+MESH_AXES = ("pp", "dp_replicate", "dp", "cp", "tp")  # init_mesh's axes, in mesh order
+REPLICATE = "dp_replicate"
+NOT_BUILT = ("cp", "ep")  # accepted with size 1 only, for now
+
+
+def check_degree(name: str, value: object, where: str = "") -> int:
+    """``value`` as an axis size (an int >= 1), or PipelineError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PipelineError(f"{where}{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_not_built(sizes: Mapping[str, int], where: str = "") -> None:
+    """Refuse ``cp`` or ``ep`` above 1: context and expert parallelism are not built yet."""
+    for axis in NOT_BUILT:
+        size = sizes.get(axis, 1)
+        if size > 1:
+            what = "context parallelism" if axis == "cp" else "expert parallelism"
+            raise PipelineError(
+                f"{where}{axis}={size}: {what} is not built yet in meshpipe; only {axis}=1 "
+                "is accepted for now"
+            )
+
+
+@dataclass(frozen=True)
+class DpGroups:
+    """The data-parallel groups of one process: every replica in ``group`` (None when there
+    is one replica), ``flat`` the 1-d mesh over them (for FSDP2 and DDP-style replicas),
+    ``hsdp`` the 2-d ``(dp_replicate, dp)`` mesh (None without a dp_replicate axis)."""
+
+    size: int
+    group: dist.ProcessGroup | None
+    flat: DeviceMesh | None
+    hsdp: DeviceMesh | None
+    replicate_size: int
+
+
+def dp_groups(mesh: DeviceMesh, dp_axis: str) -> DpGroups:
+    """The dp groups of ``mesh`` (collective over the mesh when both dp axes exceed 1: the
+    flat group is made then)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = {axis: mesh.size(names.index(axis)) for axis in names}
+    rep, dp = sizes.get(REPLICATE, 1), sizes.get(dp_axis, 1)
+    hsdp = mesh[REPLICATE, dp_axis] if REPLICATE in names and dp_axis in names else None
+    flat: DeviceMesh | None
+    if rep > 1 and dp > 1 and hsdp is not None:
+        flat = flatten_dp(mesh, dp_axis)
+    elif rep > 1:
+        flat = mesh[REPLICATE]
+    else:
+        flat = mesh[dp_axis] if dp_axis in names else None
+    group = flat.get_group() if flat is not None and rep * dp > 1 else None
+    return DpGroups(rep * dp, group, flat, hsdp, rep)
+
+
+def flatten_dp(mesh: DeviceMesh, dp_axis: str) -> DeviceMesh:
+    """The 1-d mesh over ``mesh``'s (dp_replicate, dp) sub-mesh, named
+    ``dp_replicate_<dp_axis>``. The first call for a mesh makes its groups: collective over
+    the world (every process must call it, in the same order); later calls return it."""
+    return mesh[REPLICATE, dp_axis]._flatten(f"{REPLICATE}_{dp_axis}")
+
+
+def flattened(mesh: DeviceMesh, dp_axis: str) -> bool:
+    """Whether :func:`flatten_dp` already made ``mesh``'s flat dp mesh (a later call then
+    needs no other process)."""
+    root = mesh._get_root_mesh()
+    return f"{REPLICATE}_{dp_axis}" in getattr(root, "_flatten_mapping", {})
