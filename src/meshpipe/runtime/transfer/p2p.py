@@ -342,6 +342,10 @@ class Comm:
         return self.streams.whole_value(r, value)
 
     # -- failure ----------------------------------------------------------------------
+    def global_rank(self, peer: int) -> int:
+        """The global rank of pp peer ``peer`` (of its first process on stage meshes)."""
+        return int(self.io.ch.global_ranks[peer])
+
     def remote_error(self, fields: dict[str, Any]) -> RemoteStageError:
         return remote_error(self.rank, fields)
 

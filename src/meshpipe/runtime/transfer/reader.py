@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
+from meshpipe.runtime.failures import waiting
 from meshpipe.runtime.transfer import wire
 
 __all__ = ["Reader", "CtrlEnd"]
@@ -26,6 +27,8 @@ class CtrlEnd(Protocol):
     def ctrl_recv(self, peer: int, size: int) -> torch.Tensor: ...
 
     def remote_error(self, fields: dict[str, Any]) -> RemoteStageError: ...
+
+    def global_rank(self, peer: int) -> int: ...
 
 
 class Reader:
@@ -84,15 +87,26 @@ class Reader:
         c = self._comm
         if c is None:
             raise PipelineError("internal: a ctrl reader was used outside a step")
-        try:
-            kind, item = self.items.get(timeout=max(0.0, deadline - time.monotonic()))
+        try:  # a quick look first: most messages are there already, and need no mark
+            kind, item = self.items.get_nowait()
+            return self._check(kind, item)
         except queue.Empty:
+            pass
+        seconds = max(0.0, deadline - time.monotonic())
+        # a long wait is published (runtime/failures/waiting.py): peers whose own wait times
+        # out can then tell this process, waiting on ``peer``, from a stuck one
+        mark = waiting.begin(seconds, what, c.global_rank(self.peer))
+        try:
+            kind, item = self.items.get(timeout=seconds)
+        except queue.Empty:
+            waiting.failed(mark)
             raise CommTimeoutError(
                 f"rank {c.rank} waited {c.timeout:.1f}s for {what} from "
                 f"rank {self.peer}; that rank is stuck or gone",
                 rank=c.rank,
                 peer=self.peer,
             ) from None
+        waiting.end(mark)
         return self._check(kind, item)
 
     def _check(self, kind: str, item: Any) -> tuple[str, Any]:
