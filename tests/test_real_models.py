@@ -75,8 +75,13 @@ def _lm_batches(seed: int = 1) -> list[Any]:
 
 
 def _llama_tp(mesh: Any) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     import split_models as sm
 
@@ -95,7 +100,27 @@ def _llama_tp(mesh: Any) -> dict[str, Any]:
         **explicit,
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
-    for case, plan in (("auto", "auto"), ("explicit", explicit), ("loss_parallel", vocab)):
+    # sequence parallel: norms on sequence shards, the embedding sharded over the vocabulary
+    sequence = {
+        **explicit,
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.layers.*.input_layernorm": SequenceParallel(),
+        "model.layers.*.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        ),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "model.layers.*.post_attention_layernorm": SequenceParallel(),
+        "model.layers.*.mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    cases = (("auto", "auto"), ("explicit", explicit), ("loss_parallel", vocab),
+             ("sequence_parallel", sequence))  # fmt: skip
+    for case, plan in cases:
         torch.manual_seed(0)
         model = sm.llama(num_layers=4)
         model.config.use_cache = True  # the default config: the split turns the cache off
@@ -122,7 +147,7 @@ def _llama_results() -> list[dict[str, Any]]:
     return run_on_ranks(_llama_worker, 4, timeout=240.0)
 
 
-@pytest.mark.parametrize("case", ["auto", "explicit", "loss_parallel"])
+@pytest.mark.parametrize("case", ["auto", "explicit", "loss_parallel", "sequence_parallel"])
 def test_llama_pp2_tp2_matches_one_process(case: str) -> None:
     for rank, res in enumerate(_llama_results()):
         r = res[case]
@@ -130,6 +155,8 @@ def test_llama_pp2_tp2_matches_one_process(case: str) -> None:
         # 7 linear layers per block, 2 blocks per stage: all sharded over tp; "auto" also
         # shards the head (Llama declares lm_head "colwise_gather_output")
         head = 1 if case in ("auto", "loss_parallel") and rank >= 2 else 0
+        if case == "sequence_parallel":  # + 4 norms a stage; the embedding, or norm and head
+            head = 5 if rank < 2 else 6
         assert r["sharded"] == 14 + head, (rank, r)
         # a user's forward hook on a block runs: once while tracing (every rank), then per
         # microbatch on the ranks holding the block (4 microbatches x 3 steps)

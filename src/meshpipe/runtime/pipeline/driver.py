@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
+from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck
 from meshpipe.runtime.failures.closing import failed_elsewhere, join_failed
 from meshpipe.runtime.failures.culprit import Blame
@@ -256,6 +257,7 @@ class StepDriver:
         in no_sync) and scaled by the loss normalisation times ``gs`` (grad_scale)."""
         spmd, acc, topo, watchdog = self.spmd, self.accumulate, self.topology, self.watchdog
         factor = spmd.finish_step(self.timeout, watchdog)
+        settle_grads(params)  # each in its parameter's layout (sequence parallel, embeddings)
         loss, scale, failures = reduce_loss(
             losses, contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=watchdog, stage_meshes=topo.stage_meshes,
