@@ -4,7 +4,8 @@ dp_replicate x dp, against one process after 3 AdamW steps with clipping.
 Spawns (each checks several things; spawning costs seconds on two cores):
   world4  pp=1 x dp_replicate=2 x dp=2: bad degrees refused; dp None, ddp, fsdp and hsdp
           against one process; an hsdp checkpoint loaded into fsdp (pp=2 x dp=2) and ddp,
-          an fsdp one back into hsdp
+          an fsdp one back into hsdp; stage meshes with dp_replicate (hsdp, ddp); hsdp over
+          tensor-parallel stages (pp=1 x dp_replicate=2 x tp=2)
   world8  pp=2 x dp_replicate=2 x dp=2: hsdp and ddp against one process; an hsdp
           checkpoint, loaded in this process into the plain model
 """
@@ -156,6 +157,18 @@ def _stage_meshes() -> dict[str, Any]:
     return out
 
 
+def _hsdp_tp() -> dict[str, Any]:
+    """pp=1 x dp_replicate=2 x tp=2: HSDP over tensor-parallel stages (3-d DTensors)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mesh = meshpipe.init_mesh(pp=1, dp_replicate=2, tp=2)
+    net = blocks(4, seed=2)
+    ref = copy.deepcopy(net)
+    plan = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 2, loss_fn=mse, dp="hsdp", tp_plan=plan)
+    return {**_train(pipe, ref, mesh), "layout": _layout(pipe)}
+
+
 def _world4(root: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {"errors": _errors()}
@@ -168,6 +181,7 @@ def _world4(root: str) -> dict[str, Any]:
         out[str(mode)] = _parity(mesh, mode, "1f1b", 2)
     out["ckpt"] = _checkpoints(root, mesh)
     out["stage_meshes"] = _stage_meshes()
+    out["hsdp_tp"] = _hsdp_tp()
     return out
 
 
@@ -300,3 +314,13 @@ def test_stage_meshes_with_dp_replicate_match_one_process(world4: list[dict[str,
     # pp rank 0 replicates across dp_replicate (shards over a dp of 1); pp rank 1 shards over dp
     assert two[0]["layout"] == [(("dp_replicate", "dp"), (2, 1), ("Replicate", "Shard0"))]
     assert two[2]["layout"] == [(("dp",), (2,), ("Shard0",))], two[2]["layout"]
+
+
+def test_hsdp_over_tensor_parallel_stages_matches_one_process(
+    world4: list[dict[str, Any]],
+) -> None:
+    for rank, res in enumerate(world4):
+        r = res["hsdp_tp"]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, r)
+    meshes = {entry[0] for entry in world4[0]["hsdp_tp"]["layout"]}
+    assert meshes == {("dp_replicate", "dp"), ("dp_replicate", "dp", "tp")}, meshes
