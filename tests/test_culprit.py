@@ -191,7 +191,10 @@ def test_launch_names_the_culprit_on_pp2_dp2(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr[-3000:]
     picture = proc.stderr[proc.stderr.index("what each rank was doing:") :]
     cause = picture.splitlines()[1]
+    # rank 3 exits with its error, or (on a loaded machine) is stopped by the launcher once
+    # another failed process has ended: named as the culprit either way
     assert cause.startswith(
         "root cause: global rank 3 (pp=1, dp=1) failed first: RuntimeError: boom on global "
-        "rank 3 (named by the failed processes; it exited with code 1)"
+        "rank 3 (named by the failed processes; "
     ), picture
+    assert cause.endswith(("it exited with code 1)", "the launcher stopped it)")), picture
