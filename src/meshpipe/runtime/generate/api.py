@@ -119,7 +119,8 @@ def generate(
         return input_ids.clone()
     split_kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     target.ensure_split((input_ids,), split_kwargs)
-    assert target.whole is not None and target.whole.stages is not None  # split above
+    if target.whole is None or target.whole.stages is None:  # split just above
+        raise PipelineError("internal: generate found the model not split")
     parts = stage_parts(family, int(config.num_hidden_layers), target.whole.stages)
     stages = {s: GenStage(family, parts[s], r.module) for s, r in target.runners.items()}
     device = topo.device
@@ -177,7 +178,8 @@ def _broadcast(t: torch.Tensor, src: int, target: GenTarget, what: str) -> None:
     topo = target.topology
     work = dist.broadcast(t, src=src, group=topo.pp_group, async_op=True)
     try:
-        assert work is not None
+        if work is None:  # async_op=True always returns work: not user input
+            raise RuntimeError("internal: broadcast returned no work")
         work.wait(timeout=datetime.timedelta(seconds=target.timeout))
     except RuntimeError as e:
         raise CommTimeoutError(

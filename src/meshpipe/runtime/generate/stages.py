@@ -89,7 +89,8 @@ class GenStage:
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> Payload:
         """(rows, q) token ids at (rows, q) positions -> the first layer's inputs."""
         embed, rotary, learned, dropout = self._first
-        assert embed is not None  # stage_parts checked it (not user input)
+        if embed is None:  # stage_parts checked it: not user input
+            raise PipelineError("internal: generate's first stage has no embedding")
         hidden = embed(ids)
         if learned is not None:
             hidden = hidden + learned(positions)
