@@ -34,9 +34,9 @@ parser.add_argument("--trace", default="gpt-trace.json", help="Chrome trace of t
 args = parser.parse_args()
 degrees = parse_mesh(args.mesh)  # {"pp": 2, "dp": 2}
 
-# -- the mesh: one DeviceMesh with axes (pp, dp, tp) over all the ranks -------------------
+# -- the mesh: one DeviceMesh with axes (pp, dp_replicate, dp, cp, tp) over all the ranks --
 mesh = meshpipe.init_mesh(pp=degrees["pp"], dp=degrees["dp"])
-pp_size, dp_size = mesh.size(0), mesh.size(1)
+pp_size, dp_size = mesh["pp"].size(), mesh["dp"].size()
 dp_rank = mesh.get_local_rank("dp")
 is_rank0 = torch.distributed.get_rank() == 0
 device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"

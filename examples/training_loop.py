@@ -32,7 +32,7 @@ def mae(out: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
 
 torch.manual_seed(0)
 mesh = meshpipe.init_mesh(pp=2, dp=2)
-dp_rank, dp_size = mesh.get_local_rank("dp"), mesh.size(1)
+dp_rank, dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
 data = torch.randn(1000, 64)  # the same on every rank; each dp replica takes its share
 target = data.roll(1, dims=1)
 

@@ -230,7 +230,8 @@ def test_init_mesh_keeps_every_axis_and_slices_rows_replicate_major(
     assert world4[0]["shape"] == (1, 2, 2, 1, 1)
     rows = torch.arange(ROWS).reshape(4, -1).tolist()
     for rank, r in enumerate(world4):
-        assert r["coords"] == {"pp": 0, "dp_replicate": rank // 2, "dp": rank % 2, "cp": 0, "tp": 0}
+        # pp, dp and tp always; dp_replicate (2 here) and cp (1: not listed) when above 1
+        assert r["coords"] == {"pp": 0, "dp_replicate": rank // 2, "dp": rank % 2, "tp": 0}
         assert r["rows"] == rows[rank]  # replica dp_replicate * 2 + dp takes slice number ...
 
 

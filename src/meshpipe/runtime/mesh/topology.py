@@ -167,7 +167,12 @@ class Topology:
             tp_size=tp_size,
             tp_mesh=mesh[tp_axis] if tp_axis in names else None,
             device=mesh_device(mesh),
-            coords={axis: mesh.get_local_rank(axis) for axis in names},
+            # pp, dp and tp always; the other axes (dp_replicate, cp) where they are above 1
+            coords={
+                axis: mesh.get_local_rank(axis)
+                for axis in names
+                if axis in (pp_axis, dp_axis, tp_axis) or sizes[axis] > 1
+            },
             axis_sizes=sizes,
             layout=Layout.uniform(pp_ranks, pp_rank),
             replicate_size=dps.replicate_size,
