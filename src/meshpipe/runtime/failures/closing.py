@@ -41,13 +41,16 @@ def join_failed(topo: Topology, with_loss: bool, timeout: float, dp: bool = True
     dp only where its dp peers reach that collective (``dp``): where they wait in a dp
     collective of the actions instead (DDP's gradient all-reduce, FSDP2's gathers), a
     different collective on their group would be a mismatch (gloo aborts the process), so
-    they learn of the failure when this process exits. It waits at most 10 s for the
-    others (as the play-out after a failure does): its own error must not wait for a peer
-    that is slow; a peer arriving later finds the failure when this process exits or
-    completes the collective."""
+    they learn of the failure when this process exits. It waits at most 10 s (3 s when
+    its dp peers are in such collectives) for the others (as the play-out after a failure
+    does): its own error must not wait for a peer that is slow; a peer arriving later
+    finds the failure when this process exits or completes the collective."""
     if not reads_closing(topo.device):
         return
-    timeout = min(timeout, 10.0)
+    # with dp collectives in the actions (``dp`` False) a pp peer may be held in one of them
+    # by a dp peer that waits, through its own pp peer, for this process: then no peer can
+    # come until this process exits, and waiting longer only delays everyone's error
+    timeout = min(timeout, 10.0 if dp else 3.0)
     try:
         if not with_loss:
             closing_status(topo.pp_group, True, timeout)
