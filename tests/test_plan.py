@@ -256,7 +256,7 @@ def test_cli_plan_prints_writes_json_and_png(
 ) -> None:
     pytest.importorskip("matplotlib")
     from meshpipe.cli import main
-    from meshpipe.plan.command import parse_bytes
+    from meshpipe.plan.cli import parse_bytes
 
     assert parse_bytes("16GiB") == 16 << 30 and parse_bytes("512MB") == 512 * 10**6
     with pytest.raises(ValueError, match="as a size"):

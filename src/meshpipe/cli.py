@@ -382,13 +382,13 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _configure_plan(p: argparse.ArgumentParser) -> None:
-    from meshpipe.plan.command import configure  # torch-free until run
+    from meshpipe.plan.cli import configure  # torch-free until run
 
     configure(p)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from meshpipe.plan.command import run
+    from meshpipe.plan.cli import run
 
     return run(args)
 
