@@ -11,6 +11,7 @@ import meshpipe
 from meshpipe.cli import main
 from meshpipe.schedule import get_schedule
 from meshpipe.sim import Cost, simulate, stage_mesh_cost
+from meshpipe.sim.meshes import mesh_processes
 
 MESHES = [{"tp": 1}, {"dp": 2}, {"tp": 2}]
 SIZE3 = ["--ranks", "3", "--microbatches", "4"]
@@ -39,6 +40,14 @@ def test_dp_and_tp_multiply() -> None:
     assert cost.f == (2.0, 8.0)
     assert cost.b == (2.0, 8.0)
     assert cost.w == (1.0, 4.0)
+
+
+def test_dp_replicate_counts_like_dp() -> None:
+    """A stage mesh with dp_replicate (HSDP) has dp_replicate * dp * tp processes."""
+    s = get_schedule("1f1b", 2, 4)
+    cost = stage_mesh_cost(Cost(f=8, b=8, w=4), s, [{"dp_replicate": 2, "dp": 2}, {"tp": 2}])
+    assert cost.f == (2.0, 4.0)
+    assert mesh_processes([{"dp_replicate": 2, "dp": 2, "tp": 2}]) == (8,)
 
 
 def test_v_schedule_maps_stages_through_placement() -> None:

@@ -1,8 +1,8 @@
 """Stage meshes in the simulator: per-stage costs scaled by the processes of each rank's mesh.
 
-A pp rank whose stage mesh has ``dp * tp`` processes runs its stages faster; this module
-turns a Cost measured (or guessed) for one process per stage into the Cost of a layout of
-stage meshes. No torch: a mesh here is only its axis sizes, as given to
+A pp rank whose stage mesh has ``dp_replicate * dp * tp`` processes runs its stages faster;
+this module turns a Cost measured (or guessed) for one process per stage into the Cost of
+a layout of stage meshes. No torch: a mesh here is only its axis sizes, as given to
 ``meshpipe.init_stage_meshes``.
 """
 
@@ -18,11 +18,14 @@ from meshpipe.sim.simulate import Cost
 
 __all__ = ["mesh_processes", "stage_mesh_cost"]
 
-MESH_AXES = ("dp", "tp")  # the axes of a stage mesh; a missing one has size 1
+# the axes of a stage mesh (init_stage_meshes' keys, cp and ep not built); a missing one
+# has size 1; ep adds no processes, so it is not counted here
+MESH_AXES = ("dp_replicate", "dp", "tp")
 
 
 def _processes(rank: int, mesh: object) -> int:
-    """dp * tp of one rank's mesh; ValueError naming the rank and the bad value."""
+    """dp_replicate * dp * tp of one rank's mesh; ValueError naming the rank and the bad
+    value."""
     if not isinstance(mesh, Mapping):
         raise ValueError(
             f"stage mesh {rank} is {mesh!r}; give a dict of axis sizes such as {{'dp': 2}}"
@@ -43,7 +46,7 @@ def _processes(rank: int, mesh: object) -> int:
 
 
 def mesh_processes(meshes: Sequence[Mapping[str, int]]) -> tuple[int, ...]:
-    """The number of processes (dp * tp) of each stage mesh, checked.
+    """The number of processes (dp_replicate * dp * tp) of each stage mesh, checked.
 
     Raises ValueError naming the mesh and the value for an unknown axis or a size that is
     not an int >= 1.
