@@ -47,6 +47,7 @@ def plan(
     repeats: int = 3,
     profile: Profile | None = None,
     num_runners_up: int = 5,
+    measured: Any = None,
 ) -> Plan:
     """The fastest predicted way to train ``model`` on ``world_size`` processes within
     ``memory_per_rank`` bytes per process (None: no cap), with runners-up.
@@ -60,6 +61,12 @@ def plan(
     judged by the simulator. The machine's figures (p2p latency and bandwidth, the
     all-reduce bandwidth, the runtime's overhead per action) are assumptions recorded in
     ``plan.assumptions``. Raises PlanError when no plan fits the cap.
+
+    ``measured=pipe`` (a Pipeline built by ``Pipeline.from_plan`` that has run a step)
+    re-plans from measured costs: every rank's action times of ``pipe``'s last step are
+    gathered (a collective over the default group: every rank must call ``plan`` with
+    ``measured=``), and each piece's f, i and w are scaled by its stage's measured /
+    predicted ratio before the search (``meshpipe.plan.calibrate``; docs/plan.md).
     """
     _check_int("world_size", world_size)
     _check_int("max_microbatches", max_microbatches)
@@ -77,6 +84,13 @@ def plan(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
         p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,
     )  # fmt: skip
+    if measured is not None:
+        from meshpipe.plan.calibrate import calibrated_profile
+        from meshpipe.plan.measured import measure
+
+        cal = measure(measured)
+        log.info("calibrating from the measured step:\n%s", cal)
+        profile = calibrated_profile(profile, cal, settings)
     divisors = [t for t in range(1, world_size + 1) if world_size % t == 0]
     tp_degrees = [1] if tp_plan is None else divisors
     return search(

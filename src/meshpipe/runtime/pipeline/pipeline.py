@@ -78,6 +78,8 @@ class Pipeline:
     use_local_output=False)``).
     """
 
+    plan: Any = None  # the plan Pipeline.from_plan built this from, as given (else None)
+
     def __init__(
         self,
         model: nn.Module | Sequence[nn.Module],
@@ -157,7 +159,9 @@ class Pipeline:
         schedule, microbatch count, dp mode and per-stage checkpointing; ``kwargs`` add to or
         override them (docs/plan.md). Call on every process, as the constructor."""
         mesh, planned = plan_arguments(plan)
-        return cls(model, mesh, loss_fn=loss_fn, **{**planned, **kwargs})
+        pipe = cls(model, mesh, loss_fn=loss_fn, **{**planned, **kwargs})
+        pipe.plan = plan  # what meshpipe.plan(..., measured=pipe) compares the run with
+        return pipe
 
     def track_memory(self, on: bool = True) -> None:
         """Record the peak memory of the steps from now on (``memory_stats()``): on CPU a
@@ -282,6 +286,15 @@ class Pipeline:
     def timeline(self) -> list[ActionRecord]:
         """Measured action times of the last step or forward on this rank."""
         return list(self._driver.records)
+
+    def report(self) -> list[tuple[str, int, int, float]]:
+        """This rank's actions of the last step as ``(op, stage, mb, seconds)``, seconds from
+        the action's inputs being ready to its end. Against the plan, over every rank:
+        ``meshpipe.plan.measured.measure(pipe)`` (docs/plan.md, "Calibrate")."""
+        return [
+            (r.action.op.value, r.action.stage, r.action.mb, r.end - r.ready)
+            for r in self._driver.records
+        ]
 
     def status(self) -> dict[str, Any]:
         """What this rank is doing (or was doing when it failed), as a JSON-able dict."""
