@@ -38,33 +38,19 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import meshpipe
+from ckpt_models import D
+from ckpt_models import build as build_pipe
 from meshpipe import checkpoint as ck
 from meshpipe.checkpoint.safe_reader import read_metadata
 from meshpipe.checkpoint.verify import file_sum, seal
 from meshpipe.testing import run_on_ranks
 
-D = 32
 DATA0, DATA1 = "__0_0.distcp", "__1_0.distcp"
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D, 2 * D)
-        self.down = nn.Linear(2 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
 
 
 def build(mesh: Any, seed: int) -> tuple[meshpipe.Pipeline, torch.optim.Optimizer]:
     """A pp=2 pipeline after one AdamW step (so the optimizer has state to protect)."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(*[Block() for _ in range(4)])
-    pipe = meshpipe.Pipeline(
-        model, mesh, schedule="1f1b", num_microbatches=2, loss_fn=nn.functional.mse_loss
-    )
-    opt = torch.optim.AdamW(pipe.parameters(), lr=0.003)
+    pipe, opt = build_pipe(mesh, seed)
     g = torch.Generator().manual_seed(seed)
     pipe.step(torch.randn(4, D, generator=g), target=torch.randn(4, D, generator=g))
     opt.step()

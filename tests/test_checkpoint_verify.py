@@ -28,33 +28,13 @@ import torch.distributed as dist
 from torch import nn
 
 import meshpipe
+from ckpt_models import LR, D, build
 from meshpipe import checkpoint as ck
 from meshpipe.checkpoint.safe_reader import read_metadata
 from meshpipe.testing import run_on_ranks
 
-D = 32
-LR = 0.003
 FLIPPED_KEY = "model.3.up.weight"  # on rank 1's stage
 DATA0, DATA1 = "__0_0.distcp", "__1_0.distcp"  # DCP's file per writing process
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D, 2 * D)
-        self.down = nn.Linear(2 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-def build(mesh: Any, seed: int) -> tuple[meshpipe.Pipeline, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(*[Block() for _ in range(4)])
-    pipe = meshpipe.Pipeline(
-        model, mesh, schedule="1f1b", num_microbatches=2, loss_fn=nn.functional.mse_loss
-    )
-    return pipe, torch.optim.AdamW(pipe.parameters(), lr=LR)
 
 
 def state(pipe: meshpipe.Pipeline) -> dict[str, torch.Tensor]:

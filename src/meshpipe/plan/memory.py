@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshpipe.schedule.ir import Op, Schedule
+from meshpipe.schedule.ir import Schedule
+from meshpipe.sim.simulate import held_peak as peak_of
 
 __all__ = ["held_peak", "rank_memory"]
 
@@ -24,22 +25,7 @@ __all__ = ["held_peak", "rank_memory"]
 def held_peak(schedule: Schedule, rank: int, per_stage: Sequence[float]) -> float:
     """Most activation bytes alive at once on ``rank``: ``per_stage[s]`` per (stage s, mb)
     from its F to its last backward action (inference: during the F only)."""
-    row = schedule.actions[rank]
-    last: dict[tuple[int, int], int] = {}
-    for pos, a in enumerate(row):
-        if a.op is not Op.F:
-            last[(a.stage, a.mb)] = pos
-    held = peak = 0.0
-    for pos, a in enumerate(row):
-        key = (a.stage, a.mb)
-        if a.op is Op.F:
-            held += per_stage[a.stage]
-            peak = max(peak, held)
-            if key not in last:
-                held -= per_stage[a.stage]
-        elif last[key] == pos:
-            held -= per_stage[a.stage]
-    return peak
+    return peak_of(schedule.actions[rank], per_stage)
 
 
 def rank_memory(

@@ -150,23 +150,31 @@ class Timeline:
         return cls(schedule, rows, makespan, max(0.0, bubble), peaks)
 
 
-def _peak_activations(actions: Sequence[Action]) -> int:
-    """Most (stage, mb) activations alive at once in one rank's action order."""
+def held_peak(actions: Sequence[Action], per_stage: Sequence[float] | None = None) -> float:
+    """Most activations alive at once in one rank's action order, each (stage s, mb)
+    weighing ``per_stage[s]`` (1 when None) from its F to its last backward action
+    (inference: during the F only)."""
     last_backward: dict[tuple[int, int], int] = {}
     for pos, a in enumerate(actions):
         if a.op is not Op.F:
             last_backward[(a.stage, a.mb)] = pos
-    held = peak = 0
+    held = peak = 0.0
     for pos, a in enumerate(actions):
         key = (a.stage, a.mb)
+        weight = 1.0 if per_stage is None else per_stage[a.stage]
         if a.op is Op.F:
-            held += 1
+            held += weight
             peak = max(peak, held)
             if key not in last_backward:
-                held -= 1  # nothing will need it: inference frees it after the F
+                held -= weight  # nothing will need it: inference frees it after the F
         elif last_backward[key] == pos:
-            held -= 1
+            held -= weight
     return peak
+
+
+def _peak_activations(actions: Sequence[Action]) -> int:
+    """Most (stage, mb) activations alive at once in one rank's action order."""
+    return int(held_peak(actions))
 
 
 def simulate(schedule: Schedule, cost: Cost) -> Timeline:
