@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
+from late_programs import late_program
 from meshpipe.errors import ScheduleError
 from meshpipe.schedule import P2P, Schedule, get_schedule, p2p_program, schedule_names, validate
 from meshpipe.schedule import memo as memo_mod
 from meshpipe.schedule import program as program_mod
-from meshpipe.schedule.comm import Transfer, recv_of, send_of
+from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.nogc import collector_paused
 from meshpipe.schedule.program import IntProgram, _placed_by_replay, program_positions
 from meshpipe.schedule.rendezvous import check_rendezvous
@@ -191,38 +192,18 @@ def as_int_program(s: Schedule, program: tuple[tuple[tuple[P2P, ...], ...], ...]
     return IntProgram(p, False, pack, tuple(ops), tuple(positions), tuple(bounds))
 
 
-def late(s: Schedule) -> tuple[tuple[tuple[P2P, ...], ...], ...]:
-    """Receives posted right before the action consuming them (deadlocks when rendezvous)."""
-    program = []
-    for row in s.actions:
-        groups: list[tuple[P2P, ...]] = []
-        pending: tuple[int, Transfer] | None = None
-        for a in row:
-            group = [] if pending is None else [P2P("send", *pending)]
-            need = recv_of(s, a)
-            if need is not None:
-                group.append(P2P("recv", *need))
-            if group:
-                groups.append(tuple(group))
-            pending = send_of(s, a)
-        if pending is not None:
-            groups.append((P2P("send", *pending),))
-        program.append(tuple(groups))
-    return tuple(program)
-
-
 def test_rule_4_plays_out_the_program_it_is_given() -> None:
     # the schedule's own program runs; put a late program in its place and check_rendezvous
     # finds the cycle in it, and reports it as for the P2P form
     s = get_schedule("interleaved_1f1b", 2, 4, 2)
     check_rendezvous(s)
-    late_program = late(s)
+    late = late_program(s)
     with pytest.raises(ScheduleError) as direct:
-        check_rendezvous(s, late_program)
+        check_rendezvous(s, late)
     values: dict[str, Any] = memo_mod._values(s)
-    values["int_program"] = as_int_program(s, late_program)
+    values["int_program"] = as_int_program(s, late)
     values.pop("p2p_program", None)
-    assert p2p_program(s) == late_program
+    assert p2p_program(s) == late
     with pytest.raises(ScheduleError, match="ranks 0 -> 1 -> 0 wait for each other") as own:
         check_rendezvous(s)
     assert str(own.value) == str(direct.value)

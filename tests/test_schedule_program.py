@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from late_programs import late_program
 from meshpipe.errors import ScheduleError
 from meshpipe.schedule import P2P, Schedule, get_schedule, p2p_program, schedule_names, validate
 from meshpipe.schedule.comm import Transfer, recv_of, send_of
@@ -155,28 +156,6 @@ def test_1f1b_2x4_program() -> None:
     assert str(rank1[0][1]) == "recv act[0->1, mb 1] from rank 0"
     assert str(rank1[1][0]) == "send grad[1->0, mb 0] to rank 0"
     check_rendezvous(s)
-
-
-def late_program(s: Schedule) -> Program:
-    """The construction before receives were posted early: before each action one group,
-    the send of the previous action's output and the receive of this action's input; the
-    last action's send after it."""
-    program = []
-    for row in s.actions:
-        groups: list[tuple[P2P, ...]] = []
-        pending: tuple[int, Transfer] | None = None
-        for a in row:
-            group = [] if pending is None else [P2P("send", *pending)]
-            need = recv_of(s, a)
-            if need is not None:
-                group.append(P2P("recv", *need))
-            if group:
-                groups.append(tuple(group))
-            pending = send_of(s, a)
-        if pending is not None:
-            groups.append((P2P("send", *pending),))
-        program.append(tuple(groups))
-    return tuple(program)
 
 
 def test_late_receives_deadlock_interleaved() -> None:
