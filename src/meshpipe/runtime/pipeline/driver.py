@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck
-from meshpipe.runtime.failures.closing import failed_elsewhere, join_failed
+from meshpipe.runtime.failures.closing import failed_elsewhere, join_failed, reads_closing
 from meshpipe.runtime.failures.culprit import Blame
 from meshpipe.runtime.failures.waits import Watchdog, translate
 from meshpipe.runtime.mesh.spmd import Spmd
@@ -190,7 +190,8 @@ class StepDriver:
             )
             if before_finish is not None:
                 before_finish()
-            comm.finish()
+            # CPU meshes: the peers' end markers are read after the closing collective
+            comm.finish(read_ends=not reads_closing(self.topology.device))
         except BaseException as e:
             closes_on_loss = training or call[2] is not None
             err = self._failed(e, comm, training, closes_on_loss)
@@ -239,11 +240,17 @@ class StepDriver:
         return e
 
     def stop_if_failed(self, failures: torch.Tensor | int) -> None:
-        """Raise if a process joined the step's closing collective as failed."""
+        """After the step's closing collective: raise if a process joined it as failed
+        (with the failure notice a peer sent instead of its end marker, where one came),
+        else read the peers' end markers (runtime/transfer/p2p.py, Comm.end)."""
+        comm = self.comm_now
         why = failed_elsewhere(failures, self.topology.device, self.topology.pp_rank)
         if why:
             self.broken = f"an earlier step failed ({why})"
-            raise self.blame.named(RemoteStageError(why))
+            notice = None if comm is None else comm.failure_notice(min(self.timeout, 2.0))
+            raise self.blame.named(notice if notice is not None else RemoteStageError(why))
+        if comm is not None:
+            comm.end()
 
     def reduce(
         self,

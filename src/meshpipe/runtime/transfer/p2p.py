@@ -105,6 +105,7 @@ class Comm:
         self._readers: dict[int, Reader] = {}
         self._links: set[int] = set()  # peers exchanging end markers and failure notices
         self._ended: set[int] = set()  # links whose end markers were exchanged, this step
+        self._markers: list[tuple[Any, int]] = []  # end markers sent, not yet waited for
         self._watchdog = watchdog  # set on CUDA: device waits are stream waits, bounded by it
         self._next_position = 0
         # checks to pass before the first transfer of the step (see Pipeline._check_call)
@@ -173,18 +174,30 @@ class Comm:
             reader.begin_epoch(self)
             self._readers[p] = reader
 
-    def finish(self) -> None:
-        """End of step: sends done, end markers exchanged with every peer."""
+    def finish(self, read_ends: bool = True) -> None:
+        """End of step: sends done, end markers sent to every peer and (``read_ends``) the
+        peers' read. With ``read_ends=False`` the peers' markers are read by :meth:`end`,
+        after the step's closing collective (CPU meshes): they arrive while it runs, so the
+        markers cost no round trip of their own."""
         self.pass_gate()
         deadline = time.monotonic() + self.timeout
         for work, _tensors, peer in self.io.sends:
             self.io.wait(work, deadline, "send", peer)
         self.io.sends.clear()
         end = wire.end_marker()
-        markers = [(self.io.ctrl_send(p, end), p) for p in self._links]
+        self._markers = [(self.io.ctrl_send(p, end), p) for p in self._links]
+        self.streams.commit()
+        if read_ends:
+            self.end()
+
+    def end(self, seconds: float | None = None) -> None:
+        """Read every peer's end marker (within ``seconds``, by default the timeout); a
+        peer's failure notice in its place is raised. Nothing to do once read."""
+        deadline = time.monotonic() + (self.timeout if seconds is None else seconds)
+        markers, self._markers = self._markers, []
         for work, peer in markers:
             self.io.wait(work, deadline, "end-of-step marker", peer)
-        for peer, reader in self._readers.items():
+        for peer, reader in list(self._readers.items()):
             kind, _ = reader.next(deadline, "the end of the step")
             if kind != "end":
                 raise PipelineError(
@@ -192,10 +205,21 @@ class Comm:
                     "expects; the ranks are running different schedules"
                 )
             self._ended.add(peer)  # both markers are through: that peer's part is over
+            del self._readers[peer]
         if self._watchdog is not None:
             self._watchdog.check()
-        self._readers.clear()
-        self.streams.commit()
+
+    def failure_notice(self, seconds: float) -> RemoteStageError | None:
+        """After a closing collective that counted a failed process: the failure notice a
+        peer sent instead of its end marker, if one comes within ``seconds`` (None if all
+        peers ended well)."""
+        try:
+            self.end(seconds)
+        except RemoteStageError as e:
+            return e
+        except (CommTimeoutError, PipelineError):
+            return self.remote_cause()
+        return None
 
     # -- the program --------------------------------------------------------------------
     def pass_gate(self) -> None:

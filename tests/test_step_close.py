@@ -1,0 +1,105 @@
+"""How a step ends on a CPU mesh (issue 22, item 4): the peers' end-of-step markers are read
+after the step's closing collective (the loss all-reduce, or forward's status), not before
+it, so they cost no round trip of their own; and a peer's failure still reaches every rank
+with the peer's own message. Two ranks, one spawn.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import meshpipe
+from meshpipe.testing import run_on_ranks
+
+from parity import blocks, grad_diff, mse
+
+
+def _record_order(events: list[str]) -> None:
+    """Log, in this process, each all-reduce posted (the closing collective is the only one
+    of these steps) and each read of the peers' end markers."""
+    import torch.distributed as dist
+
+    from meshpipe.runtime.transfer.p2p import Comm
+
+    real_all_reduce, real_end = dist.all_reduce, Comm.end
+
+    def all_reduce(*args: Any, **kwargs: Any) -> Any:
+        events.append("closing")
+        return real_all_reduce(*args, **kwargs)
+
+    def end(self: Comm, seconds: float | None = None) -> None:
+        if self._readers:  # markers still to read
+            events.append("markers")
+        real_end(self, seconds)
+
+    dist.all_reduce = all_reduce
+    Comm.end = end  # type: ignore[method-assign]
+
+
+def _fails_on(calls: set[int]) -> nn.Module:
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls in calls:
+                raise ValueError("stage 1 broke on purpose")
+            return self.lin(x)
+
+    return Failing()
+
+
+def _body() -> dict[str, Any]:
+    mesh = meshpipe.init_mesh(pp=2)
+    model = blocks(4)
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 4, loss_fn=mse)
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    out: dict[str, Any] = {}
+    events: list[str] = []
+    _record_order(events)
+    loss = pipe.step(x, target=y)
+    out["step_order"] = list(events)
+    mse(ref(x), y).backward()
+    out["loss_err"] = abs(float(loss) - float(mse(ref(x), y)))
+    out["grad_err"] = grad_diff(pipe, ref)
+    events.clear()
+    pipe.eval_step(x, target=y)
+    out["eval_order"] = list(events)
+    events.clear()
+    pipe.forward(x)
+    out["forward_order"] = list(events)
+    events.clear()
+    # a second, steady-state step (no descriptions sent): the same order
+    pipe.step(x, target=y)
+    out["steady_order"] = list(events)
+
+    # a failure on the last stage's 3rd forward: every rank stops with its message
+    failing = nn.Sequential(nn.Linear(16, 16), _fails_on({3}))
+    fpipe = meshpipe.Pipeline(failing, mesh, "1f1b", 4, loss_fn=mse, timeout=30)
+    try:
+        fpipe.step(x, target=y)
+        out["failure"] = "none"
+    except Exception as e:  # noqa: BLE001 - the test reports what was raised
+        out["failure"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_end_markers_are_read_after_the_closing_collective() -> None:
+    results = run_on_ranks(_body, world_size=2, timeout=240)
+    for rank, r in enumerate(results):  # noqa: B007
+        assert r["loss_err"] < 1e-6 and r["grad_err"] < 1e-5, (rank, r)
+        for key in ("step_order", "eval_order", "forward_order", "steady_order"):
+            order = r[key]
+            assert "markers" in order and "closing" in order, (rank, key, order)
+            # the old code read the markers first, then posted the closing all-reduce
+            assert order.index("closing") < order.index("markers"), (rank, key, order)
+        assert "stage 1 broke on purpose" in r["failure"], (rank, r["failure"])
