@@ -80,6 +80,18 @@ def _greedy(kind: str, mesh: Any, num_stages: int) -> dict[str, Any]:
         )
         res[f"eos lanes={lanes}"] = got.tolist() == with_eos.tolist()
     res["padded rows after eos"] = int((with_eos[:, ids.shape[1] :] == 1).sum())
+    # the stop read every 4 tokens (CUDA's default is 8): the same tokens, fewer host reads
+    from meshpipe.runtime.generate.api import last_stats
+
+    reads = {}
+    for every in (1, 4):
+        got = pipe.generate(
+            ids, NEW, attention_mask=mask, eos_token_id=eos, pad_token_id=1,
+            stop_check_every=every,
+        )  # fmt: skip
+        res[f"eos every={every}"] = got.tolist() == with_eos.tolist()
+        reads[every] = last_stats.host_reads
+    res["fewer host reads"] = 0 < reads[4] <= reads[1] // 2
     return res
 
 
@@ -144,6 +156,7 @@ def _errors(mesh: Any) -> dict[str, str]:
         "no_cache": _refusal(lambda: plain.generate(ids[:, :4], 3)),
         # pp rank 1 asks for one more token than the others
         "differs": _refusal(lambda: pipe.generate(ids[:, :4], 3 + (pipe.topology.pp_rank == 1))),
+        "every": _refusal(lambda: pipe.generate(ids[:, :4], 3, stop_check_every=0)),
     }
 
 
@@ -205,6 +218,7 @@ def test_bad_input_is_refused_on_every_rank() -> None:
         assert "max_new_tokens >= 0, got -1" in e["negative"], (rank, e)
         assert "no cache path for a model given as stage modules" in e["no_cache"], (rank, e)
         assert "rank(s) [1] passed different max_new_tokens" in e["differs"], (rank, e)
+        assert "stop_check_every=0 is out of range" in e["every"], (rank, e)
 
 
 def test_decode_order_keeps_every_rank_on_another_lane() -> None:

@@ -49,6 +49,7 @@ class GenStats:
     busy_s: float = 0.0
     ring_s: float = 0.0
     num_lanes: int = 0
+    host_reads: int = 0  # stop flags read on the host during decode (syncs on CUDA)
 
 
 last_stats = GenStats()
@@ -100,6 +101,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     num_lanes: int | None = None,
+    stop_check_every: int | None = None,
 ) -> torch.Tensor:
     """(batch, prompt + new) token ids on every rank; see Pipeline.generate."""
     topo = target.topology
@@ -107,13 +109,14 @@ def generate(
     if topo.stage_meshes:
         raise PipelineError("generate() does not run on stage meshes yet (one mesh only)")
     mask = check_prompt(input_ids, attention_mask, max_new_tokens, config)
-    check_options(do_sample, temperature, top_k, top_p, seed, pad_token_id, num_lanes)
+    every = stop_check_every if stop_check_every is not None else _default_every(topo)
+    check_options(do_sample, temperature, top_k, top_p, seed, pad_token_id, num_lanes, every)
     eos = eos_ids(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
     sampling = Sampling(do_sample, float(temperature), top_k, top_p, seed)
     window = _window(family, config)
     lanes_wanted = min(num_lanes or topo.pp_size, input_ids.shape[0])
-    options = (max_new_tokens, sampling, (eos, pad), lanes_wanted)
+    options = (max_new_tokens, sampling, (eos, pad), lanes_wanted, every)
     _agree_call(target, input_ids, mask, options)
     if max_new_tokens == 0:
         return input_ids.clone()
@@ -126,16 +129,30 @@ def generate(
     device = topo.device
     lanes = _lanes(input_ids.to(device), mask.to(device), lanes_wanted)
     req = Request(
-        max_new_tokens, sampling, eos, pad, _dtype(target), _widths(family, config), window
+        max_new_tokens,
+        sampling,
+        eos,
+        pad,
+        _dtype(target),
+        _widths(family, config),
+        window,
+        every,
     )
     order = decode_order(target.schedule.placement, len(lanes), max_new_tokens)
     ring = Ring(topo.pp_group, topo.pp_global_ranks, topo.pp_rank, target.timeout)
     t0 = time.perf_counter()
-    busy = run_ring(order, topo.pp_rank, stages, lanes, ring, req)
+    busy, reads = run_ring(order, topo.pp_rank, stages, lanes, ring, req)
     last_stats.busy_s, last_stats.ring_s = busy, time.perf_counter() - t0
+    last_stats.host_reads = reads
     last_stats.num_lanes = len(lanes)
     new = _share_tokens(target, lanes, pad)
     return torch.cat([input_ids, new.to(input_ids.device, input_ids.dtype)], dim=1)
+
+
+def _default_every(topo: Topology) -> int:
+    """Every step on CPU, where reading the stop costs nothing; every 8 tokens on CUDA,
+    where each read makes the host wait for the GPU."""
+    return 1 if topo.device.type == "cpu" else 8
 
 
 def _agree_call(
@@ -146,7 +163,10 @@ def _agree_call(
     topo = target.topology
     weights = torch.arange(1, ids.numel() + 1, dtype=torch.long).view(ids.shape)
     values = (int((ids.cpu().long() * weights).sum()), int((mask.cpu() * weights).sum()))
-    names = ("shapes", "max_new_tokens", "sampling options", "eos/pad", "lanes", "input values")
+    names = (
+        "shapes", "max_new_tokens", "sampling options", "eos/pad", "lanes", "stop_check_every",
+        "input values",
+    )  # fmt: skip
     fields = (tuple(ids.shape), *options, values)
     agree(names, fields, topo.pp_group, topo.device, target.timeout, topo.pp_rank)
 

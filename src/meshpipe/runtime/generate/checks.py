@@ -86,7 +86,14 @@ def eos_ids(eos_token_id: Any) -> tuple[int, ...]:
 
 
 def check_options(
-    do_sample: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, pad: Any, lanes: Any
+    do_sample: Any,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    seed: Any,
+    pad: Any,
+    lanes: Any,
+    every: Any = 1,
 ) -> None:
     if not isinstance(do_sample, bool):
         raise PipelineError(f"generate() takes do_sample as a bool, got {do_sample!r}")
@@ -98,13 +105,15 @@ def check_options(
             ("seed", seed, _is_int(seed)),
             ("pad_token_id", pad, pad is None or _is_int(pad)),
             ("num_lanes", lanes, lanes is None or (_is_int(lanes) and lanes >= 1)),
+            ("stop_check_every", every, _is_int(every) and every >= 1),
         ) if not ok
     ]  # fmt: skip
     if bad:
         name, v = bad[0]
         raise PipelineError(
             f"generate(): {name}={v!r} is out of range (temperature > 0, top_k >= 0, "
-            "0 < top_p <= 1, an int seed and pad_token_id, num_lanes >= 1)"
+            "0 < top_p <= 1, an int seed and pad_token_id, num_lanes >= 1, "
+            "stop_check_every >= 1)"
         )
 
 

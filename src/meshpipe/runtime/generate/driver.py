@@ -34,6 +34,8 @@ class Lane:
     caches: dict[int, LaneCache] = field(default_factory=dict)  # stage -> its cache
     tokens: list[torch.Tensor] = field(default_factory=list)  # last stage: (rows,) per step
     finished: torch.Tensor | None = None  # last stage: rows that produced EOS
+    # last stage: per step, whether every row had finished (0-dim bool, read once at the end)
+    all_done: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -51,6 +53,11 @@ class Request:
     dtype: torch.dtype  # hidden states on the wire
     widths: tuple[int, ...]  # last dims of the payload's tensors
     window: int | None  # sliding window of the attention, if any
+    every: int = 1  # the lanes' stop is read on the host after every ``every`` steps
+
+    def checks(self, step: int) -> bool:
+        """Whether the stop sampled at ``step`` is read (and can end the lane there)."""
+        return (step + 1) % self.every == 0 or step + 1 >= self.max_new_tokens
 
 
 class _Rank:
@@ -65,6 +72,7 @@ class _Rank:
         self.local: dict[tuple[int, int], object] = {}  # (dst stage, lane) -> value
         self.stopped: set[tuple[int, int]] = set()  # (stage, lane)
         self.busy = 0.0
+        self.host_reads = 0  # stop flags read on the host (each one a sync on CUDA)
 
     def where(self, stage: int) -> int:
         return self.order.placement[stage]
@@ -79,6 +87,9 @@ class _Rank:
         device = lane.ids.device
         buf = torch.empty(lane.rows + 1, dtype=torch.long, device=device)
         self.ring.recv(buf, self.where(self.last), f"the tokens of {a}")
+        if not self.req.checks(a.step - 1):  # the flag is 0: not read
+            return buf[:-1], False
+        self.host_reads += 1
         return buf[:-1], bool(buf[-1].item())
 
     def stage_input(self, a: DecodeAction) -> Payload | None:
@@ -91,8 +102,10 @@ class _Rank:
         sizes = [lane.rows * q * w for w in self.req.widths]
         buf = torch.empty(sum(sizes) + 1, dtype=self.req.dtype, device=lane.ids.device)
         self.ring.recv(buf, self.where(a.stage - 1), f"the hidden states of {a}")
-        if buf[-1].item() == 0:
-            return None
+        if a.step > 0 and self.req.checks(a.step - 1):  # a stop can come only after a check
+            self.host_reads += 1
+            if buf[-1].item() == 0:
+                return None
         parts = torch.split(buf[:-1], sizes)
         return tuple(p.view(lane.rows, q, w) for p, w in zip(parts, self.req.widths, strict=True))
 
@@ -127,7 +140,11 @@ class _Rank:
             eos = torch.tensor(req.eos, device=tokens.device)
             lane.finished |= torch.isin(tokens, eos)
         lane.tokens.append(tokens)
-        done = a.step + 1 >= req.max_new_tokens or bool(lane.finished.all().item())
+        lane.all_done.append(lane.finished.all())
+        done = a.step + 1 >= req.max_new_tokens
+        if not done and req.checks(a.step):
+            self.host_reads += 1
+            done = bool(lane.all_done[-1].item())
         if self.where(0) == self.rank:
             self.local[(0, a.lane)] = (tokens, done)
         else:
@@ -172,11 +189,27 @@ class _Rank:
 
 
 def run_ring(order: DecodeOrder, rank: int, stages: dict[int, GenStage], lanes: list[Lane],
-             ring: Ring, req: Request) -> float:  # fmt: skip
-    """Run this rank's actions; returns the seconds it spent computing (busy time)."""
+             ring: Ring, req: Request) -> tuple[float, int]:  # fmt: skip
+    """Run this rank's actions; returns the seconds it spent computing (busy time) and the
+    stop flags it read on the host."""
     state = _Rank(order, rank, stages, lanes, ring, req)
     with torch.no_grad():
         for a in order.actions[rank]:
             state.run(a)
     ring.close()
-    return state.busy
+    if req.every > 1:
+        for lane in lanes:
+            trim(lane)
+    return state.busy, state.host_reads
+
+
+def trim(lane: Lane) -> None:
+    """Drop the steps a lane ran after all its rows had finished (with stop checks every
+    k steps a lane runs up to k - 1 steps past its end; they hold only padding): one host
+    read per lane, at the end."""
+    if not lane.all_done:
+        return
+    done = torch.stack(lane.all_done).nonzero()
+    if done.numel():
+        keep = int(done[0, 0].item()) + 1
+        del lane.tokens[keep:], lane.all_done[keep:]

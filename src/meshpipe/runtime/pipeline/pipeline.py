@@ -459,7 +459,9 @@ class Pipeline:
         """Token ids (batch, prompt + new) on every rank: a prefill per lane, then the decode
         ring, each stage keeping the KV cache of its own layers (docs/generate.md). Options:
         ``attention_mask``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-        ``eos_token_id``, ``pad_token_id``, ``num_lanes`` (default: the pp size). Same call
+        ``eos_token_id``, ``pad_token_id``, ``num_lanes`` (default: the pp size),
+        ``stop_check_every`` (read the lanes' stop every k tokens; default 1 on CPU, 8 on
+        CUDA). Same call
         on every rank; no gradients, parameters and train/eval mode untouched."""
         target = GenTarget(
             self._whole, self.schedule, self.topology, self.timeout, self._runners,
