@@ -49,6 +49,14 @@ def test_short_demo_trains_and_writes_its_artifacts(tmp_path: Path) -> None:
     for line in ("loss:", "time per step:", "bubble:", "measured", "simulated"):
         assert line in proc.stdout, proc.stdout
     assert "step 8/8" in proc.stdout
+    # the demo ends with a sample the trained model wrote through the pipeline
+    sample = summary["sample"]
+    text = make_text()
+    assert sample.startswith(text[:24]) and len(sample) == 24 + 80, sample
+    assert set(sample) <= set(text), sample
+    assert f"sample (80 characters after the prompt, one pipe.forward each): {sample!r}" in (
+        proc.stdout
+    )
     for name in ("summary.json", "trace.json", "timeline.png"):
         assert str(out / name) in proc.stdout
     assert (out / "timeline.png").read_bytes().startswith(b"\x89PNG")

@@ -24,10 +24,13 @@ from meshpipe.demo.measure import Row, StepStats, mean_bubble, record_cost, step
 from meshpipe.demo.options import START_ENV, DemoOptions, add_demo_args, resolve
 from meshpipe.demo.progress import Progress
 from meshpipe.demo.report import DemoRun, RankRun, format_summary, summarize, write_artifacts
+from meshpipe.demo.sample import sample_ids
 from meshpipe.demo.text import Batches, CharTokenizer, make_text
 from meshpipe.testing import share_gpu
 
 __all__ = ["main"]
+
+SAMPLE_CHARS = 80  # characters the trained model writes after its prompt, at the end
 
 
 @dataclass
@@ -41,6 +44,9 @@ class _Job:
     coords: list[tuple[int, int]]  # (pp rank, dp rank) of every global rank
     tokens_per_step: int
     num_params: int
+    tokenizer: CharTokenizer
+    prompt: str  # the sample's start: the training text's first words
+    block_size: int
 
 
 def _build(opts: DemoOptions) -> _Job:
@@ -71,6 +77,9 @@ def _build(opts: DemoOptions) -> _Job:
         coords=coords,
         tokens_per_step=opts.dp * opts.batch_size * cfg.block_size,
         num_params=sum(p.numel() for p in model.parameters()),
+        tokenizer=tokenizer,
+        prompt=text[:24],
+        block_size=cfg.block_size,
     )
 
 
@@ -164,14 +173,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     mine = RankRun(rank, coords[0], coords[1], steps)
     gathered: list[RankRun] | None = [mine] * len(job.coords) if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
+    # after the trace and the timelines: the sample's forward calls record their own
+    ids = sample_ids(
+        job.pipe, job.tokenizer.encode(job.prompt), SAMPLE_CHARS, job.block_size, seed=opts.seed
+    )
+    sample = job.tokenizer.decode(ids)
     if gathered is not None:
         run = DemoRun(
             opts, job.pipe.schedule, losses, seconds, gathered, job.tokens_per_step,
             record_cost(), startup,
         )  # fmt: skip
         summary, measured, simulated = summarize(run)
+        summary["sample"] = sample
         paths = write_artifacts(opts.out, summary, measured, simulated)
         print(format_summary(summary, paths), flush=True)
+        print(f"sample ({SAMPLE_CHARS} characters after the prompt, one pipe.forward each): "
+              f"{sample!r}", flush=True)  # fmt: skip
     dist.destroy_process_group()
 
 
