@@ -55,7 +55,7 @@ def _reference(model: Any, ids: torch.Tensor, mask: torch.Tensor, **kw: Any) -> 
     return out
 
 
-def _greedy(kind: str, mesh: Any, num_stages: int) -> dict[str, Any]:
+def _greedy(kind: str, mesh: Any, num_stages: int, **options: Any) -> dict[str, Any]:
     """Tokens vs Hugging Face, without EOS and with an EOS some rows produce mid-way."""
     import split_models as sm
 
@@ -64,14 +64,16 @@ def _greedy(kind: str, mesh: Any, num_stages: int) -> dict[str, Any]:
     ref = copy.deepcopy(model)
     ids, mask, _ = sm.tokens(batch=7, seq=6, seed=3)  # rows padded on the left by 0..2
     pipe = meshpipe.Pipeline(
-        model, mesh, "1f1b", 2, loss_fn=sm.lm_loss, split_points=_points(kind, num_stages)
-    )
+        model, mesh, "1f1b", 2, loss_fn=sm.lm_loss, split_points=_points(kind, num_stages),
+        **options,
+    )  # fmt: skip
     pipe.eval()
     plain = _reference(ref, ids, mask, pad_token_id=1)
     # an EOS that row 0 produces at its 4th new token, so rows stop at different steps
     eos = int(plain[0, ids.shape[1] + 3])
     with_eos = _reference(ref, ids, mask, eos_token_id=eos, pad_token_id=1)
     res: dict[str, Any] = {"eos_stops_early": with_eos.shape[1] <= plain.shape[1]}
+
     for lanes in (None, 1, 3):
         got = pipe.generate(ids, NEW, attention_mask=mask, pad_token_id=1, num_lanes=lanes)
         res[f"plain lanes={lanes}"] = got.tolist() == plain.tolist()
@@ -80,6 +82,8 @@ def _greedy(kind: str, mesh: Any, num_stages: int) -> dict[str, Any]:
         )
         res[f"eos lanes={lanes}"] = got.tolist() == with_eos.tolist()
     res["padded rows after eos"] = int((with_eos[:, ids.shape[1] :] == 1).sum())
+    if "tp_plan" in options:  # the stages really hold tp shards (DTensors)
+        res["tp shards"] = any(type(p).__name__ == "DTensor" for p in pipe.parameters())
     # the stop read every 4 tokens (CUDA's default is 8): the same tokens, fewer host reads
     from meshpipe.runtime.generate.api import last_stats
 
@@ -95,12 +99,14 @@ def _greedy(kind: str, mesh: Any, num_stages: int) -> dict[str, Any]:
     return res
 
 
-def _sampled(mesh: Any, num_stages: int, lanes: int | None, seed: int) -> list[list[int]]:
+def _sampled(
+    mesh: Any, num_stages: int, lanes: int | None, seed: int, **options: Any
+) -> list[list[int]]:
     import split_models as sm
 
     torch.manual_seed(0)
     pipe = meshpipe.Pipeline(
-        sm.llama(4).eval(), mesh, "1f1b", 2, split_points=_points("llama", num_stages)
+        sm.llama(4).eval(), mesh, "1f1b", 2, split_points=_points("llama", num_stages), **options
     )
     ids, mask, _ = sm.tokens(batch=6, seq=5, seed=4)
     out = pipe.generate(
@@ -164,7 +170,9 @@ def _worker() -> dict[str, Any]:
     torch.set_num_threads(1)
     pp2 = meshpipe.init_mesh(pp=2, dp=2)
     pp4 = meshpipe.init_mesh(pp=4)
+    tp2 = meshpipe.init_mesh(pp=2, tp=2)
     res: dict[str, Any] = {
+        "llama pp2 tp2": _greedy("llama", tp2, 2, tp_plan="auto"),
         "llama pp2": _greedy("llama", pp2, 2),
         "gpt2 pp2": _greedy("gpt2", pp2, 2),
         "llama pp4": _greedy("llama", pp4, 4),
@@ -176,6 +184,7 @@ def _worker() -> dict[str, Any]:
         "pp2 lanes=3": _sampled(pp2, 2, 3, seed=7),
         "pp4 lanes=4": _sampled(pp4, 4, None, seed=7),
         "pp4 seed 8": _sampled(pp4, 4, None, seed=8),
+        "pp2 tp2": _sampled(tp2, 2, None, seed=7, tp_plan="auto"),
     }
     res["train"] = _train_after_generate(pp4)
     res["errors"] = _errors(pp4)
@@ -187,7 +196,9 @@ def _results() -> list[dict[str, Any]]:
     return run_on_ranks(_worker, 4, timeout=300.0)
 
 
-@pytest.mark.parametrize("case", ["llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4"])
+@pytest.mark.parametrize(
+    "case", ["llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4", "llama pp2 tp2"]
+)
 def test_greedy_matches_hugging_face_generate(case: str) -> None:
     for rank, res in enumerate(_results()):
         r = res[case]
@@ -200,7 +211,7 @@ def test_seeded_sampling_is_the_same_whatever_the_layout() -> None:
     for rank, res in enumerate(_results()):
         s = res["sampled"]
         assert s == first, rank  # every rank returns the same tokens
-        assert s["pp2 lanes=1"] == s["pp2 lanes=3"] == s["pp4 lanes=4"], rank
+        assert s["pp2 lanes=1"] == s["pp2 lanes=3"] == s["pp4 lanes=4"] == s["pp2 tp2"], rank
         assert s["pp4 seed 8"] != s["pp4 lanes=4"], rank
 
 
