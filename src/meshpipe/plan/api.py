@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from meshpipe.plan.candidate import Settings
@@ -48,6 +49,7 @@ def plan(
     profile: Profile | None = None,
     num_runners_up: int = 5,
     measured: Any = None,
+    measure_p2p: bool = False,
 ) -> Plan:
     """The fastest predicted way to train ``model`` on ``world_size`` processes within
     ``memory_per_rank`` bytes per process (None: no cap), with runners-up.
@@ -67,6 +69,10 @@ def plan(
     gathered (a collective over the default group: every rank must call ``plan`` with
     ``measured=``), and each piece's f, i and w are scaled by its stage's measured /
     predicted ratio before the search (``meshpipe.plan.calibrate``; docs/plan.md).
+
+    ``measure_p2p=True`` measures ``p2p_latency`` and ``p2p_bandwidth`` between two local
+    processes first (``meshpipe.plan.link.measure_link``: a few seconds; CUDA when this
+    machine has two GPUs, else CPU and gloo) instead of taking the arguments.
     """
     _check_int("world_size", world_size)
     _check_int("max_microbatches", max_microbatches)
@@ -80,6 +86,12 @@ def plan(
         )
     elif not isinstance(profile, Profile):
         raise PlanError(f"profile must be a meshpipe.plan.Profile, got {type(profile).__name__}")
+    if measure_p2p:
+        from meshpipe.plan.link import measure_link
+
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+        link = measure_link("cuda" if cuda else "cpu")
+        p2p_latency, p2p_bandwidth = link.latency, link.bandwidth
     settings = Settings(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
         p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,

@@ -44,6 +44,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="plan.json", help="where to write the plan (plan.json)")
     p.add_argument("--png", default="plan.png", help="picture of the chosen timeline ('' none)")
     p.add_argument("--threads", type=int, default=1, help="torch threads while profiling (1)")
+    p.add_argument(
+        "--measure-p2p", action="store_true",
+        help="measure the p2p latency and bandwidth between two local processes first",
+    )  # fmt: skip
 
 
 def _load_factory(spec: str) -> Any:
@@ -80,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(
         model, inputs if isinstance(inputs, tuple) else (inputs,), target, loss_fn,
         world_size=args.world_size, memory_per_rank=args.memory,
-        stage_meshes=args.stage_meshes, max_microbatches=args.max_microbatches, **schedules,
+        stage_meshes=args.stage_meshes, max_microbatches=args.max_microbatches,
+        measure_p2p=args.measure_p2p, **schedules,
     )  # fmt: skip
     print(plan)
     print("split points: " + (", ".join(plan.split_points) or "none"))
