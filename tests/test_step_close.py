@@ -81,6 +81,9 @@ def _body() -> dict[str, Any]:
     # a second, steady-state step (no descriptions sent): the same order
     pipe.step(x, target=y)
     out["steady_order"] = list(events)
+    # between calls a rank is idle and names no action (the launcher's root-cause line read
+    # the last call's last action for a call refused before any action)
+    out["idle"] = (pipe.status()["phase"], pipe.status()["action"])
 
     # a failure on the last stage's 3rd forward: every rank stops with its message
     failing = nn.Sequential(nn.Linear(16, 16), _fails_on({3}))
@@ -103,3 +106,4 @@ def test_end_markers_are_read_after_the_closing_collective() -> None:
             # the old code read the markers first, then posted the closing all-reduce
             assert order.index("closing") < order.index("markers"), (rank, key, order)
         assert "stage 1 broke on purpose" in r["failure"], (rank, r["failure"])
+        assert r["idle"] == ("idle", None), (rank, r["idle"])

@@ -98,6 +98,7 @@ class StepDriver:
         """Start checking a call (``modes``: the pipeline's train mode, and whether this call
         trains); returns the gate that finishes the checks (see Pipeline._check_call)."""
         self.blame.begin()
+        self.status = RankStatus(phase="call check")  # no action of an earlier call
         if self.broken is not None:
             raise PipelineError(
                 f"this Pipeline cannot run any more: {self.broken}; its transfers may be out "
@@ -317,8 +318,8 @@ class StepDriver:
         return loss, reduced
 
     def done(self) -> None:
-        """A call ended well."""
-        self.status.phase = "idle"
+        """A call ended well: idle, no action (a report between calls names none)."""
+        self.status = RankStatus()
         self.steps += 1
 
     def comm_stats(self) -> dict[str, Any]:
