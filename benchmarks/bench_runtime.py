@@ -453,8 +453,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REPS",
         help="only the per-microbatch overhead case, REPS rounds (e.g. 60)",
     )
+    ap.add_argument(
+        "--overhead-microbatches",
+        type=int,
+        metavar="N",
+        help="microbatches of the overhead case (default 32; 4 shows a step's fixed costs)",
+    )
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
+    if args.overhead_microbatches:
+        cfg = replace(cfg, overhead_microbatches=args.overhead_microbatches)
     if args.schedules:
         cfg = replace(cfg, schedules=tuple(args.schedules.split(",")))
     torch.set_num_threads(1)
