@@ -82,7 +82,7 @@ def _greedy(kind: str, mesh: Any, num_stages: int, **options: Any) -> dict[str, 
         )
         res[f"eos lanes={lanes}"] = got.tolist() == with_eos.tolist()
     res["padded rows after eos"] = int((with_eos[:, ids.shape[1] :] == 1).sum())
-    if "tp_plan" in options:  # the stages really hold tp shards (DTensors)
+    if pipe.topology.tp_size > 1:  # the stages really hold tp shards (DTensors)
         res["tp shards"] = any(type(p).__name__ == "DTensor" for p in pipe.parameters())
     # the stop read every 4 tokens (CUDA's default is 8): the same tokens, fewer host reads
     from meshpipe.runtime.generate.api import last_stats
@@ -95,7 +95,9 @@ def _greedy(kind: str, mesh: Any, num_stages: int, **options: Any) -> dict[str, 
         )  # fmt: skip
         res[f"eos every={every}"] = got.tolist() == with_eos.tolist()
         reads[every] = last_stats.host_reads
-    res["fewer host reads"] = 0 < reads[4] <= reads[1] // 2
+    # (a stage mesh's processes off the ring read nothing either way)
+    on_ring = reads[1] > 0 or not pipe.topology.stage_meshes
+    res["fewer host reads"] = (0 < reads[4] <= reads[1] // 2) if on_ring else reads[4] == 0
     return res
 
 
@@ -171,7 +173,10 @@ def _worker() -> dict[str, Any]:
     pp2 = meshpipe.init_mesh(pp=2, dp=2)
     pp4 = meshpipe.init_mesh(pp=4)
     tp2 = meshpipe.init_mesh(pp=2, tp=2)
+    # stage 0 on two dp processes (the second waits for the tokens), stage 1 on two tp
+    staged = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 2}])
     res: dict[str, Any] = {
+        "llama stage meshes": _greedy("llama", staged, 2, tp_plan="auto"),
         "llama pp2 tp2": _greedy("llama", tp2, 2, tp_plan="auto"),
         "llama pp2": _greedy("llama", pp2, 2),
         "gpt2 pp2": _greedy("gpt2", pp2, 2),
@@ -185,6 +190,7 @@ def _worker() -> dict[str, Any]:
         "pp4 lanes=4": _sampled(pp4, 4, None, seed=7),
         "pp4 seed 8": _sampled(pp4, 4, None, seed=8),
         "pp2 tp2": _sampled(tp2, 2, None, seed=7, tp_plan="auto"),
+        "stage meshes": _sampled(staged, 2, None, seed=7, tp_plan="auto"),
     }
     res["train"] = _train_after_generate(pp4)
     res["errors"] = _errors(pp4)
@@ -197,8 +203,12 @@ def _results() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "case", ["llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4", "llama pp2 tp2"]
-)
+    "case",
+    [
+        "llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4", "llama pp2 tp2",
+        "llama stage meshes",
+    ],
+)  # fmt: skip
 def test_greedy_matches_hugging_face_generate(case: str) -> None:
     for rank, res in enumerate(_results()):
         r = res[case]
@@ -212,6 +222,7 @@ def test_seeded_sampling_is_the_same_whatever_the_layout() -> None:
         s = res["sampled"]
         assert s == first, rank  # every rank returns the same tokens
         assert s["pp2 lanes=1"] == s["pp2 lanes=3"] == s["pp4 lanes=4"] == s["pp2 tp2"], rank
+        assert s["stage meshes"] == s["pp2 lanes=1"], rank
         assert s["pp4 seed 8"] != s["pp4 lanes=4"], rank
 
 

@@ -16,7 +16,7 @@ from meshpipe.errors import CommTimeoutError, PipelineError
 from meshpipe.runtime.generate.checks import agree, check_options, check_prompt, eos_ids
 from meshpipe.runtime.generate.driver import Lane, Request, run_ring
 from meshpipe.runtime.generate.families import Family, family_of
-from meshpipe.runtime.generate.ring import Ring
+from meshpipe.runtime.generate.ring import Peers, Ring
 from meshpipe.runtime.generate.sampling import Sampling
 from meshpipe.runtime.generate.stages import GenStage, stage_parts
 from meshpipe.runtime.mesh.topology import Topology
@@ -106,8 +106,6 @@ def generate(
     """(batch, prompt + new) token ids on every rank; see Pipeline.generate."""
     topo = target.topology
     family, config = family_of(target.whole.model if target.whole is not None else None)
-    if topo.stage_meshes:
-        raise PipelineError("generate() does not run on stage meshes yet (one mesh only)")
     mask = check_prompt(input_ids, attention_mask, max_new_tokens, config)
     every = stop_check_every if stop_check_every is not None else _default_every(topo)
     check_options(do_sample, temperature, top_k, top_p, seed, pad_token_id, num_lanes, every)
@@ -139,13 +137,16 @@ def generate(
         every,
     )
     order = decode_order(target.schedule.placement, len(lanes), max_new_tokens)
-    ring = Ring(topo.pp_group, topo.pp_global_ranks, topo.pp_rank, target.timeout)
+    peers = _peers(topo)
     t0 = time.perf_counter()
-    busy, reads = run_ring(order, topo.pp_rank, stages, lanes, ring, req)
+    busy, reads = 0.0, 0
+    if peers.index >= 0:  # on the ring (a stage mesh's other dp coordinates wait)
+        ring = Ring(topo.pp_group, topo.layout.ranks, topo.layout.me, target.timeout)
+        busy, reads = run_ring(order, peers, stages, lanes, ring, req)
     last_stats.busy_s, last_stats.ring_s = busy, time.perf_counter() - t0
     last_stats.host_reads = reads
     last_stats.num_lanes = len(lanes)
-    new = _share_tokens(target, lanes, pad)
+    new = _share_tokens(target, lanes, pad, peers)
     return torch.cat([input_ids, new.to(input_ids.device, input_ids.dtype)], dim=1)
 
 
@@ -171,22 +172,36 @@ def _agree_call(
     agree(names, fields, topo.pp_group, topo.device, target.timeout, topo.pp_rank)
 
 
-def _share_tokens(target: GenTarget, lanes: list[Lane], pad: int | None) -> torch.Tensor:
-    """The generated (batch, steps) tokens, broadcast from the last stage's rank."""
+def _peers(topo: Topology) -> Peers:
+    """The processes running the ring (runtime/generate/ring.py): on stage meshes those of
+    each mesh's dp coordinate 0, the others wait for the tokens."""
+    lay = topo.layout
+    pp, d, t = lay.place(lay.me)
+    parts = tuple(grid[0] for grid in lay.grids)
+    return Peers(parts, pp, t if d == 0 else -1)
+
+
+def _share_tokens(
+    target: GenTarget, lanes: list[Lane], pad: int | None, peers: Peers
+) -> torch.Tensor:
+    """The generated (batch, steps) tokens, broadcast from the last stage's (first) process
+    over the pp group (on stage meshes: every process)."""
     topo = target.topology
     sched = target.schedule
-    src_rank = sched.placement[sched.num_stages - 1]
-    src = topo.pp_global_ranks[src_rank]
+    last = sched.placement[sched.num_stages - 1]
+    src_proc = peers.parts[last][0]
+    src = topo.layout.ranks[src_proc]
+    source = topo.layout.me == src_proc
     rows = lanes[-1].stop
     length = torch.zeros(1, dtype=torch.long, device=topo.device)
-    if topo.pp_rank == src_rank:
+    if source:
         length[0] = max(len(lane.tokens) for lane in lanes)
     _broadcast(length, src, target, "the number of generated tokens")
     steps = int(length.item())
     out = torch.full(
         (rows, steps), pad if pad is not None else 0, dtype=torch.long, device=topo.device
     )
-    if topo.pp_rank == src_rank:
+    if source:
         for lane in lanes:
             if lane.tokens:
                 out[lane.start : lane.stop, : len(lane.tokens)] = torch.stack(lane.tokens, dim=1)

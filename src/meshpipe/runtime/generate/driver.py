@@ -15,7 +15,7 @@ from meshpipe.runtime.generate.masks import (
     prefill_mask,
     prefill_positions,
 )
-from meshpipe.runtime.generate.ring import Ring
+from meshpipe.runtime.generate.ring import Peers, Ring
 from meshpipe.runtime.generate.sampling import Sampling
 from meshpipe.runtime.generate.stages import GenStage, Payload
 from meshpipe.schedule.generators.decode import DecodeAction, DecodeOrder
@@ -63,10 +63,10 @@ class Request:
 class _Rank:
     """The state of this rank's walk through its actions."""
 
-    def __init__(self, order: DecodeOrder, rank: int, stages: dict[int, GenStage],
+    def __init__(self, order: DecodeOrder, peers: Peers, stages: dict[int, GenStage],
                  lanes: list[Lane], ring: Ring, req: Request) -> None:  # fmt: skip
-        self.order, self.rank, self.stages, self.lanes = order, rank, stages, lanes
-        self.ring, self.req = ring, req
+        self.order, self.rank, self.stages, self.lanes = order, peers.me, stages, lanes
+        self.peers, self.ring, self.req = peers, ring, req
         self.last = order.num_stages - 1
         self.slots = lanes[0].ids.shape[1]  # P
         self.local: dict[tuple[int, int], object] = {}  # (dst stage, lane) -> value
@@ -86,7 +86,8 @@ class _Rank:
             return self.local.pop((0, a.lane))  # type: ignore[return-value]
         device = lane.ids.device
         buf = torch.empty(lane.rows + 1, dtype=torch.long, device=device)
-        self.ring.recv(buf, self.where(self.last), f"the tokens of {a}")
+        src = self.peers.sender(self.where(self.last))
+        self.ring.recv(buf, src, f"the tokens of {a}")
         if not self.req.checks(a.step - 1):  # the flag is 0: not read
             return buf[:-1], False
         self.host_reads += 1
@@ -101,7 +102,8 @@ class _Rank:
         q = self.slots if a.step == 0 else 1
         sizes = [lane.rows * q * w for w in self.req.widths]
         buf = torch.empty(sum(sizes) + 1, dtype=self.req.dtype, device=lane.ids.device)
-        self.ring.recv(buf, self.where(a.stage - 1), f"the hidden states of {a}")
+        src = self.peers.sender(self.where(a.stage - 1))
+        self.ring.recv(buf, src, f"the hidden states of {a}")
         if a.step > 0 and self.req.checks(a.step - 1):  # a stop can come only after a check
             self.host_reads += 1
             if buf[-1].item() == 0:
@@ -124,7 +126,8 @@ class _Rank:
                                device=flag.device)  # fmt: skip
         else:
             flat = torch.cat([*(p.reshape(-1).to(self.req.dtype) for p in payload), flag])
-        self.ring.send(flat, self.where(nxt))
+        for peer in self.peers.senders(self.rank, self.where(nxt)):
+            self.ring.send(flat, peer)
 
     def sample(self, a: DecodeAction, payload: Payload) -> None:
         """The last stage: the lane's next tokens, sent round to stage 0."""
@@ -149,7 +152,8 @@ class _Rank:
             self.local[(0, a.lane)] = (tokens, done)
         else:
             msg = torch.cat([tokens, torch.tensor([int(done)], device=tokens.device)])
-            self.ring.send(msg, self.where(0))
+            for peer in self.peers.senders(self.rank, self.where(0)):
+                self.ring.send(msg, peer)
 
     # -- one action --------------------------------------------------------------------
     def run(self, a: DecodeAction) -> None:
@@ -188,13 +192,13 @@ class _Rank:
         return stage.embed(tokens[:, None], decode_positions(lane.mask, a.step))
 
 
-def run_ring(order: DecodeOrder, rank: int, stages: dict[int, GenStage], lanes: list[Lane],
+def run_ring(order: DecodeOrder, peers: Peers, stages: dict[int, GenStage], lanes: list[Lane],
              ring: Ring, req: Request) -> tuple[float, int]:  # fmt: skip
     """Run this rank's actions; returns the seconds it spent computing (busy time) and the
     stop flags it read on the host."""
-    state = _Rank(order, rank, stages, lanes, ring, req)
+    state = _Rank(order, peers, stages, lanes, ring, req)
     with torch.no_grad():
-        for a in order.actions[rank]:
+        for a in order.actions[peers.me]:
             state.run(a)
     ring.close()
     if req.every > 1:

@@ -4,6 +4,7 @@ receive; sends are waited for later, a few at a time and at the end."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,9 +13,33 @@ import torch.distributed as dist
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.transfer.channels import Channels, Op, post_ops
 
-__all__ = ["Ring"]
+__all__ = ["Peers", "Ring"]
 
 _MAX_IN_FLIGHT = 16
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Who runs the ring: per pp rank, the processes of its mesh's dp coordinate 0 (one per
+    tp coordinate; a uniform mesh's pp group has one per pp rank), as process indices of
+    the ring's group. A value crossing from stage mesh ``a`` to ``b`` goes from the ``k %
+    len(a)``-th process of ``a`` to the ``k``-th of ``b``, so each receives it once.
+    ``me``: this process's pp rank; ``index``: its tp coordinate, or -1 off the ring (a
+    stage mesh's other dp coordinates, which wait for the tokens)."""
+
+    parts: tuple[tuple[int, ...], ...]
+    me: int
+    index: int
+
+    def senders(self, src_pp: int, dst_pp: int) -> list[int]:
+        """The processes of ``dst_pp`` this process sends to."""
+        n = len(self.parts[src_pp])
+        return [p for k, p in enumerate(self.parts[dst_pp]) if k % n == self.index]
+
+    def sender(self, src_pp: int) -> int:
+        """The process of ``src_pp`` this process receives from."""
+        src = self.parts[src_pp]
+        return src[self.index % len(src)]
 
 
 class Ring:
