@@ -160,3 +160,19 @@ def expert_layout(pipe: meshpipe.Pipeline, ref: nn.Module) -> dict[str, Any]:
             "rows_match": bool((local.detach() - want).abs().max() <= 1e-5),
         }
     return out
+
+
+def mixtral(num_layers: int = 4) -> nn.Module:
+    """A small HF Mixtral (4 experts, top 2), random weights."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import split_models as sm
+
+    sm.quiet_transformers()
+    cfg = MixtralConfig(
+        num_hidden_layers=num_layers, hidden_size=32, intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=sm.VOCAB,
+        max_position_embeddings=32, num_local_experts=E, num_experts_per_tok=K,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return MixtralForCausalLM(cfg)

@@ -249,7 +249,15 @@ def apply_ep(
     forward across it; returns the expert parameters (DTensors). The replicas must already
     hold equal (whole) experts: each keeps its rows."""
     params: list[nn.Parameter] = []
+    units = getattr(module, "meshpipe_units", None)  # a traced stage's module calls
     for name, experts in resolve_experts(module, patterns).items():
+        if units is not None and not any(name == u or name.startswith(u + ".") for u in units):
+            raise PipelineError(
+                f"experts module {name!r} stays traced in its stage (the block holding it "
+                "could not be cut out of the exported graph as one module call), so its "
+                "forward cannot run across the ep group; split at other points, or pass "
+                "the stages as modules"
+            )
         num = _num_experts(name, experts)
         params.extend(_shard(experts, ep_mesh))
         experts.forward = _Dispatcher(experts, ep_mesh, num, stats)
