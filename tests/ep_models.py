@@ -55,6 +55,15 @@ class MoE(nn.Module):
         return x + self.experts(h, index, weights).reshape(x.shape)
 
 
+class OutOfRange(MoE):
+    """A MoE whose router picks experts E..2E-1: indices no experts module has."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x).reshape(-1, x.shape[-1])
+        weights, index = torch.topk(torch.softmax(self.router(h), dim=-1), K, dim=-1)
+        return x + self.experts(h, index + E, weights).reshape(x.shape)
+
+
 class Mlp(nn.Module):
     def __init__(self, d: int = D) -> None:
         super().__init__()

@@ -6,7 +6,8 @@ Spawns (each checks several things; spawning costs seconds on two cores):
           1f1b and zbh1), and on pp=1 x dp=4 with ep=2 (expert gradients summed over the
           2 processes holding the same experts); HF Mixtral on pp=2 x dp=2 with ep=2 and
           FSDP2 on the non-expert parameters; the bytes the all-to-alls moved against the
-          routing; a checkpoint saved at ep=2, loaded at ep=1 (pp=2 x dp=2, fsdp)
+          routing; gradient accumulation (no_sync); a checkpoint saved at ep=2, loaded at
+          ep=1 (pp=2 x dp=2, fsdp)
   world3  stage meshes [{"tp": 1}, {"dp": 2, "ep": 2}] with the custom MoE
 """
 
@@ -28,6 +29,7 @@ from ep_models import (
     E,
     Experts,
     MoE,
+    OutOfRange,
     ep_bytes_formula,
     expert_layout,
     full,
@@ -47,6 +49,7 @@ ATOL = 1e-5
 # differences in near-zero gradients move a weight by up to ~lr x 1e-2 (as in test_real_models)
 PARAM_ATOL = 2e-4
 PLAN = ["*.experts"]
+OTHER_SCHEDULES = ("gpipe", "interleaved_1f1b", "looped_bfs", "zbv", "dualpipev")
 
 
 def _batches(seed: int = 3, rows: int = 8, seq: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -64,7 +67,11 @@ def _errors() -> dict[str, str]:
     tp = meshpipe.init_mesh(pp=1, dp=2, tp=2, ep=2)
     from torch.distributed.tensor.parallel import ColwiseParallel
 
+    dp4 = meshpipe.init_mesh(pp=1, dp=4, ep=2)
+    bad = meshpipe.Pipeline(nn.Sequential(OutOfRange()), dp4, "1f1b", 2, loss_fn=mse, ep_plan=PLAN)
+    x, y = _batches()[0]
     return {
+        "out_of_range": refusal(lambda: bad.step(dp_batch(x, dp4), target=dp_batch(y, dp4))),
         "ep_divides": refusal(lambda: meshpipe.init_mesh(pp=2, dp=2, ep=3)),
         "stage_ep": refusal(lambda: meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 3, "ep": 2}])),
         "no_plan": refusal(lambda: meshpipe.Pipeline(moe_net(), mesh, "1f1b", 2, loss_fn=mse)),
@@ -116,10 +123,12 @@ def _bytes(
     return {"ep_bytes": stats["ep_bytes"], "formula": expected, "rows": stats["ep_rows_received"]}
 
 
-def _custom(mesh: Any, mode: str | None, schedule: str, with_bytes: bool = False) -> dict[str, Any]:
+def _custom(
+    mesh: Any, mode: str | None, schedule: str, with_bytes: bool = False, num_mbs: int = 2
+) -> dict[str, Any]:
     net = moe_net(seed=1)
     ref = copy.deepcopy(net)
-    pipe = meshpipe.Pipeline(net, mesh, schedule, 2, loss_fn=mse, dp=mode, ep_plan=PLAN)
+    pipe = meshpipe.Pipeline(net, mesh, schedule, num_mbs, loss_fn=mse, dp=mode, ep_plan=PLAN)
     part = lambda t: dp_batch(t, mesh)  # noqa: E731
     out: dict[str, Any] = {
         **train(pipe, ref, _batches(), part),
@@ -206,6 +215,26 @@ def _bytes_hf(pipe: Any, ref: nn.Module, kind: type[nn.Module], batch: Any, run:
     return got
 
 
+def _no_sync(mesh: Any) -> dict[str, float]:
+    """Gradient accumulation: a no_sync step, then a synced one (grad_scale 0.5 each), against
+    one process's gradients of the mean of both losses; dp None and ddp."""
+    out: dict[str, float] = {}
+    for mode in (None, "ddp"):
+        net = moe_net(seed=1)
+        ref = copy.deepcopy(net)
+        pipe = meshpipe.Pipeline(net, mesh, "1f1b", 2, loss_fn=mse, dp=mode, ep_plan=PLAN)
+        (x0, y0), (x1, y1) = _batches(seed=6)[:2]
+        with pipe.no_sync():
+            pipe.step(dp_batch(x0, mesh), target=dp_batch(y0, mesh), grad_scale=0.5)
+        pipe.step(dp_batch(x1, mesh), target=dp_batch(y1, mesh), grad_scale=0.5)
+        (0.5 * (mse(ref(x0), y0) + mse(ref(x1), y1))).backward()
+        out[str(mode)] = max(
+            (full(p.grad) - ref.get_parameter(n).grad).abs().max().item()
+            for n, p in pipe.named_parameters()
+        )
+    return out
+
+
 def _checkpoint(root: str) -> dict[str, Any]:
     """Saved at ep=2 (fsdp), loaded at ep=1 (pp=2 x dp=2, fsdp)."""
     mesh = meshpipe.init_mesh(pp=2, dp=2, ep=2)
@@ -234,10 +263,15 @@ def _world4(root: str) -> dict[str, Any]:
     out["ddp"] = _custom(mesh, "ddp", "zbh1")
     out["fsdp"] = _custom(mesh, "fsdp", "1f1b")
     out["none_zbh1"] = _custom(mesh, None, "zbh1")
+    for name in OTHER_SCHEDULES:  # 4 stages of one layer each where a rank holds two
+        out[name] = _custom(mesh, None, name, num_mbs=4)
+    hsdp = meshpipe.init_mesh(pp=1, dp_replicate=2, dp=2, ep=2)
+    out["hsdp"] = _custom(hsdp, "hsdp", "1f1b")
     dp4 = meshpipe.init_mesh(pp=1, dp=4, ep=2)
     out["dp4_none"] = _custom(dp4, None, "1f1b", with_bytes=True)
     out["dp4_fsdp"] = _custom(dp4, "fsdp", "1f1b")
     out["replicas"] = dp4.meshpipe_ep.replicas  # type: ignore[attr-defined]
+    out["no_sync"] = _no_sync(dp4)
     out["mixtral"] = _mixtral(mesh)
     out["ckpt"] = _checkpoint(root)
     return out
@@ -271,7 +305,13 @@ def world4(root: Path) -> list[dict[str, Any]]:
 
 def test_bad_ep_input_is_refused_naming_it(world4: list[dict[str, Any]]) -> None:
     errors = world4[0]["errors"]
-    assert all(r["errors"] == errors for r in world4)  # the same on every process
+    for r in world4:  # the same on every process (a failed step adds who failed first)
+        assert {k: v for k, v in r["errors"].items() if k != "out_of_range"} == {
+            k: v for k, v in errors.items() if k != "out_of_range"
+        }
+        # every process of each ep group refuses, whichever process's router went wrong
+        want = "expert indices outside [0, 4) on process(es) [0, 1] of its ep group"
+        assert want in r["errors"]["out_of_range"], r["errors"]["out_of_range"]
     assert "ep=3 does not divide dp x cp = 2 x 1 = 2" in errors["ep_divides"]
     assert "stage mesh 1: ep=2 does not divide dp x cp = 3 x 1 = 3" in errors["stage_ep"]
     assert "ep=2 but no ep_plan" in errors["no_plan"]
@@ -296,6 +336,28 @@ def test_custom_moe_matches_one_process(world4: list[dict[str, Any]], case: str)
             assert r["plain"] == ["plain"], r["plain"]
 
 
+@pytest.mark.parametrize("case", OTHER_SCHEDULES)
+def test_custom_moe_with_every_schedule_matches_one_process(
+    world4: list[dict[str, Any]], case: str
+) -> None:
+    for rank, res in enumerate(world4):
+        r = res[case]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, case, r)
+        assert all(v["local_shape"][0] == E // 2 for v in r["experts"].values()), r["experts"]
+
+
+def test_custom_moe_with_hsdp_matches_one_process(world4: list[dict[str, Any]]) -> None:
+    # pp=1 x dp_replicate=2 x dp=2, ep=2: ep groups {0,1} {2,3} (within a dp_replicate
+    # index); experts summed across dp_replicate; the rest HSDP
+    for rank, res in enumerate(world4):
+        r = res["hsdp"]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, r)
+        assert r["plain"] == [("('dp_replicate', 'dp')", "(Replicate(), Shard(dim=0))")], r
+        meshes = {v["mesh"] for v in r["experts"].values()}
+        assert meshes == {(0, 1) if rank < 2 else (2, 3)}, meshes
+        assert all(v["rows_match"] for v in r["experts"].values())
+
+
 def test_experts_are_grouped_and_replicated_as_stated(world4: list[dict[str, Any]]) -> None:
     # pp=2 x dp=2, ep=2: global ranks {0,1} and {2,3} form the ep groups
     assert [sorted(r["none"]["experts"].values(), key=str)[0]["mesh"] for r in world4] == [
@@ -306,6 +368,11 @@ def test_experts_are_grouped_and_replicated_as_stated(world4: list[dict[str, Any
         (0, 1), (0, 1), (2, 3), (2, 3),
     ]  # fmt: skip
     assert world4[0]["replicas"] == 2
+
+
+def test_no_sync_accumulates_expert_gradients(world4: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(world4):
+        assert all(v < ATOL for v in res["no_sync"].values()), (rank, res["no_sync"])
 
 
 @pytest.mark.parametrize("case", ["none", "dp4_none"])

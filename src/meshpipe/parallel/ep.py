@@ -109,6 +109,8 @@ def check_ep_plan(
                     "modules holding the stacked expert weights"
                 )
             experts = _num_experts(name, module)
+            if ep > 1:
+                _check_called(stage, name)
             if experts % ep:
                 raise PipelineError(
                     f"experts module {name!r} has {experts} experts, which ep={ep} does not "
@@ -120,6 +122,17 @@ def check_ep_plan(
         raise PipelineError(
             f"ep_plan pattern {missing[0]!r} matches no module of the model; module names "
             f"look like {names}"
+        )
+
+
+def _check_called(stage: nn.Module, name: str) -> None:
+    """A traced stage must call the experts module as a module (its forward is replaced)."""
+    units = getattr(stage, "meshpipe_units", None)  # a traced stage's module calls
+    if units is not None and not any(name == u or name.startswith(u + ".") for u in units):
+        raise PipelineError(
+            f"experts module {name!r} stays traced in its stage (the block holding it could "
+            "not be cut out of the exported graph as one module call), so its forward cannot "
+            "run across the ep group; split at other points, or pass the stages as modules"
         )
 
 
@@ -189,10 +202,7 @@ class _Dispatcher:
         token = order // k
         weight = top_k_weights.reshape(-1)[order]
         dest = torch.div(expert, self.local, rounding_mode="floor")
-        send_counts = torch.bincount(dest, minlength=self.size)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
+        send, recv = self._splits(expert, dest)
         local_ids = expert - dest * self.local
         recv_ids = local_ids.new_empty(sum(recv))
         dist.all_to_all_single(recv_ids, local_ids, recv, send, group=self.group)
@@ -202,6 +212,25 @@ class _Dispatcher:
         self._count(x, send, recv, received, back)
         mixed = (back * weight.unsqueeze(-1)).to(x.dtype)
         return torch.zeros_like(x).index_add(0, token, mixed)
+
+    def _splits(self, expert: torch.Tensor, dest: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Rows this process sends to and receives from each process of the group. Each also
+        tells the others how many of its expert indices are out of range, so that all of
+        them refuse such an index (instead of one failing and the rest waiting)."""
+        total = self.local * self.size
+        bad = ((expert < 0) | (expert >= total)).sum()
+        counts = torch.bincount(dest.clamp(0, self.size - 1), minlength=self.size)
+        mine = torch.stack([counts, bad.expand(self.size)], dim=1)  # (size, 2)
+        theirs = torch.empty_like(mine)
+        dist.all_to_all_single(theirs, mine, group=self.group)
+        flagged = [i for i, n in enumerate(theirs[:, 1].tolist()) if n]
+        if flagged:
+            raise PipelineError(
+                f"an experts module under ep got expert indices outside [0, {total}) on "
+                f"process(es) {flagged} of its ep group; the router must pick experts "
+                f"0..{total - 1}"
+            )
+        return counts.tolist(), theirs[:, 0].tolist()
 
     def _count(
         self, x: torch.Tensor, send: list[int], recv: list[int], received: Any, back: Any
@@ -249,15 +278,8 @@ def apply_ep(
     forward across it; returns the expert parameters (DTensors). The replicas must already
     hold equal (whole) experts: each keeps its rows."""
     params: list[nn.Parameter] = []
-    units = getattr(module, "meshpipe_units", None)  # a traced stage's module calls
     for name, experts in resolve_experts(module, patterns).items():
-        if units is not None and not any(name == u or name.startswith(u + ".") for u in units):
-            raise PipelineError(
-                f"experts module {name!r} stays traced in its stage (the block holding it "
-                "could not be cut out of the exported graph as one module call), so its "
-                "forward cannot run across the ep group; split at other points, or pass "
-                "the stages as modules"
-            )
+        _check_called(module, name)
         num = _num_experts(name, experts)
         params.extend(_shard(experts, ep_mesh))
         experts.forward = _Dispatcher(experts, ep_mesh, num, stats)
