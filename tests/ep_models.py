@@ -64,6 +64,18 @@ class OutOfRange(MoE):
         return x + self.experts(h, index + E, weights).reshape(x.shape)
 
 
+class Skewed(MoE):
+    """A MoE whose router only ever picks experts 0 and 1: with ep=2 the second process of
+    each ep group receives no tokens (its backward must still meet its peer's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x).reshape(-1, x.shape[-1])
+        # weights not renormalised: the router's rows of unused experts get real gradients
+        weights = torch.softmax(self.router(h), dim=-1)[:, :K]
+        index = torch.arange(K).expand(h.shape[0], K)
+        return x + self.experts(h, index, weights).reshape(x.shape)
+
+
 class Mlp(nn.Module):
     def __init__(self, d: int = D) -> None:
         super().__init__()

@@ -3,8 +3,10 @@ by all-to-all, against one process after 3 AdamW steps with clipping.
 
 Spawns (each checks several things; spawning costs seconds on two cores):
   world4  bad ep input refused; a custom MoE on pp=2 x dp=2 with ep=2 (dp None, ddp, fsdp;
-          1f1b and zbh1), and on pp=1 x dp=4 with ep=2 (expert gradients summed over the
-          2 processes holding the same experts); HF Mixtral on pp=2 x dp=2 with ep=2 and
+          1f1b, zbh1 and every other schedule; full activation checkpointing; a router
+          leaving one process of each group without tokens), on pp=1 x dp=4 with ep=2
+          (expert gradients summed over the 2 processes holding the same experts; no_sync)
+          and on pp=1 x dp_replicate=2 x dp=2 with ep=2 (hsdp); HF Mixtral on pp=2 x dp=2 with ep=2 and
           FSDP2 on the non-expert parameters; the bytes the all-to-alls moved against the
           routing; gradient accumulation (no_sync); a checkpoint saved at ep=2, loaded at
           ep=1 (pp=2 x dp=2, fsdp)
@@ -28,8 +30,10 @@ from ep_models import (
     D,
     E,
     Experts,
+    Mlp,
     MoE,
     OutOfRange,
+    Skewed,
     ep_bytes_formula,
     expert_layout,
     full,
@@ -124,11 +128,18 @@ def _bytes(
 
 
 def _custom(
-    mesh: Any, mode: str | None, schedule: str, with_bytes: bool = False, num_mbs: int = 2
+    mesh: Any,
+    mode: str | None,
+    schedule: str,
+    with_bytes: bool = False,
+    num_mbs: int = 2,
+    **options: Any,
 ) -> dict[str, Any]:
     net = moe_net(seed=1)
     ref = copy.deepcopy(net)
-    pipe = meshpipe.Pipeline(net, mesh, schedule, num_mbs, loss_fn=mse, dp=mode, ep_plan=PLAN)
+    pipe = meshpipe.Pipeline(
+        net, mesh, schedule, num_mbs, loss_fn=mse, dp=mode, ep_plan=PLAN, **options
+    )
     part = lambda t: dp_batch(t, mesh)  # noqa: E731
     out: dict[str, Any] = {
         **train(pipe, ref, _batches(), part),
@@ -215,6 +226,17 @@ def _bytes_hf(pipe: Any, ref: nn.Module, kind: type[nn.Module], batch: Any, run:
     return got
 
 
+def _skewed(mesh: Any) -> dict[str, Any]:
+    """Every token routed to the first process of its ep group: the second receives none."""
+    torch.manual_seed(1)
+    net = nn.Sequential(Mlp(), Skewed(), Mlp(), Skewed())
+    ref = copy.deepcopy(net)
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 2, loss_fn=mse, ep_plan=PLAN)
+    out: dict[str, Any] = train(pipe, ref, _batches(seed=7), lambda t: dp_batch(t, mesh))
+    out["rows"] = pipe.comm_stats()["ep_rows_received"]
+    return out
+
+
 def _no_sync(mesh: Any) -> dict[str, float]:
     """Gradient accumulation: a no_sync step, then a synced one (grad_scale 0.5 each), against
     one process's gradients of the mean of both losses; dp None and ddp."""
@@ -263,6 +285,9 @@ def _world4(root: str) -> dict[str, Any]:
     out["ddp"] = _custom(mesh, "ddp", "zbh1")
     out["fsdp"] = _custom(mesh, "fsdp", "1f1b")
     out["none_zbh1"] = _custom(mesh, None, "zbh1")
+    out["skewed"] = _skewed(mesh)
+    # the MoE blocks' forward (all-to-alls included) runs again in backward
+    out["recompute"] = _custom(mesh, "ddp", "zbh1", activation_checkpointing="full")
     for name in OTHER_SCHEDULES:  # 4 stages of one layer each where a rank holds two
         out[name] = _custom(mesh, None, name, num_mbs=4)
     hsdp = meshpipe.init_mesh(pp=1, dp_replicate=2, dp=2, ep=2)
@@ -320,7 +345,9 @@ def test_bad_ep_input_is_refused_naming_it(world4: list[dict[str, Any]]) -> None
     assert "ep=2 and tp=2" in errors["tp"]
 
 
-@pytest.mark.parametrize("case", ["none", "ddp", "fsdp", "none_zbh1", "dp4_none", "dp4_fsdp"])
+@pytest.mark.parametrize(
+    "case", ["none", "ddp", "fsdp", "none_zbh1", "recompute", "dp4_none", "dp4_fsdp"]
+)
 def test_custom_moe_matches_one_process(world4: list[dict[str, Any]], case: str) -> None:
     for rank, res in enumerate(world4):
         r = res[case]
@@ -344,6 +371,14 @@ def test_custom_moe_with_every_schedule_matches_one_process(
         r = res[case]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, case, r)
         assert all(v["local_shape"][0] == E // 2 for v in r["experts"].values()), r["experts"]
+
+
+def test_a_process_receiving_no_tokens_still_matches(world4: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(world4):
+        r = res["skewed"]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, r)
+        # ep groups {0,1}, {2,3}: the first receives the other's tokens, the second none
+        assert (r["rows"] > 0) == (rank % 2 == 0), (rank, r["rows"])
 
 
 def test_custom_moe_with_hsdp_matches_one_process(world4: list[dict[str, Any]]) -> None:

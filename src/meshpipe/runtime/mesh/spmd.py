@@ -213,7 +213,6 @@ class Spmd:
         return self.topo.dp_size
 
     def begin_step(self) -> None:
-        self.ep_stats.reset()
         for module in self._fsdp.values():
             fsdp_begin_step(module)
 

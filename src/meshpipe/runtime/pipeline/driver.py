@@ -173,6 +173,7 @@ class StepDriver:
         # the usual step reduces as stages finish; accumulation reduces at the end
         hooks = self.spmd.hooks(schedule, self.topology.pp_rank, sync=self.accumulate.usual)
         before, after = hooks if training else ({}, {})
+        self.spmd.ep_stats.reset()  # comm_stats: what this call's all-to-alls moved
         if training:
             self.spmd.begin_step()
         self.comm_now = comm
