@@ -52,7 +52,8 @@ class MoE(nn.Module):
         probs = torch.softmax(self.router(h), dim=-1)
         weights, index = torch.topk(probs, K, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        return x + self.experts(h, index, weights).reshape(x.shape)
+        # by keyword: meshpipe's ep forward binds the call to the module's own signature
+        return x + self.experts(h, top_k_index=index, top_k_weights=weights).reshape(x.shape)
 
 
 class OutOfRange(MoE):
@@ -111,10 +112,11 @@ def routes(model: nn.Module, kind: type[nn.Module]) -> tuple[dict[str, list[Any]
         if isinstance(m, kind):
             seen[name] = []
 
-            def hook(_m: nn.Module, args: Any, name: str = name) -> None:
-                seen[name].append(args[1].detach().clone())
+            def hook(_m: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+                index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+                seen[name].append(index.detach().clone())
 
-            handles.append(m.register_forward_pre_hook(hook))
+            handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
     return seen, lambda: [h.remove() for h in handles]
 
 

@@ -6,10 +6,10 @@ Spawns (each checks several things; spawning costs seconds on two cores):
           1f1b, zbh1 and every other schedule; full activation checkpointing; a router
           leaving one process of each group without tokens), on pp=1 x dp=4 with ep=2
           (expert gradients summed over the 2 processes holding the same experts; no_sync)
-          and on pp=1 x dp_replicate=2 x dp=2 with ep=2 (hsdp); HF Mixtral on pp=2 x dp=2 with ep=2 and
-          FSDP2 on the non-expert parameters; the bytes the all-to-alls moved against the
-          routing; gradient accumulation (no_sync); a checkpoint saved at ep=2, loaded at
-          ep=1 (pp=2 x dp=2, fsdp)
+          and on pp=1 x dp_replicate=2 x dp=2 with ep=2 (hsdp); HF Mixtral on pp=2 x dp=2
+          with ep=2 and FSDP2 on the non-expert parameters; the bytes the all-to-alls moved
+          against the routing; a checkpoint saved at ep=2, loaded at ep=1 (pp=2 x dp=2,
+          fsdp) and in one process
   world3  stage meshes [{"tp": 1}, {"dp": 2, "ep": 2}] with the custom MoE
 """
 

@@ -21,7 +21,8 @@ weighting stay where the tokens live.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -160,6 +161,7 @@ class _Dispatcher:
     ) -> None:
         self.module = module
         self.forward_of: Callable[..., torch.Tensor] = type(module).forward
+        self.signature = inspect.signature(self.forward_of)
         self.group = ep_mesh.get_group()
         self.size = ep_mesh.size()
         self.rank = ep_mesh.get_local_rank()
@@ -187,10 +189,26 @@ class _Dispatcher:
             if isinstance(declared, int):
                 vars(m)["num_experts"] = declared
 
-    def __call__(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        x = hidden_states
+    def _arguments(self, args: Any, kwargs: Any) -> list[Any]:
+        """(states, indices, weights) of a call, by position or by the forward's own names."""
+        try:
+            bound = self.signature.bind(self.module, *args, **kwargs)
+        except TypeError as e:
+            raise PipelineError(
+                f"an experts module under ep is called as forward(hidden_states, top_k_index, "
+                f"top_k_weights); this call does not fit {type(self.module).__name__}"
+                f".forward{self.signature}: {e}"
+            ) from None
+        values = list(bound.arguments.values())[1:4]
+        if len(values) != 3 or not all(isinstance(v, torch.Tensor) for v in values):
+            raise PipelineError(
+                f"an experts module under ep takes three tensors (hidden_states, top_k_index, "
+                f"top_k_weights); {type(self.module).__name__}.forward got {len(values)}"
+            )
+        return values
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, top_k_index, top_k_weights = self._arguments(args, kwargs)
         if x.dim() != 2:
             raise PipelineError(
                 f"an experts module under ep takes (tokens, hidden) states, got {tuple(x.shape)}"
@@ -284,8 +302,3 @@ def apply_ep(
         params.extend(_shard(experts, ep_mesh))
         experts.forward = _Dispatcher(experts, ep_mesh, num, stats)
     return params
-
-
-def expert_ids(params: Mapping[int, Sequence[nn.Parameter]]) -> set[int]:
-    """The ids of every expert parameter (per stage lists) for a quick membership test."""
-    return {id(p) for ps in params.values() for p in ps}

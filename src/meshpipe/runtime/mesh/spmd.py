@@ -136,8 +136,8 @@ class Spmd:
             ]
             check_tp_plan(all_stages, self._plan_to_check, tp, applies)  # type: ignore[arg-type]
         eps = self.topo.ep_sizes
-        if self.ep_plan is not None and eps and max(eps) > 1:
-            per_stage = [eps[placement[s]] for s in range(len(all_stages))]
+        if self.ep_plan is not None:  # checked at ep=1 too: a wrong pattern fails now
+            per_stage = [eps[placement[s]] if eps else 1 for s in range(len(all_stages))]
             check_ep_plan(all_stages, self.ep_plan, per_stage)
 
     def wrap(self, stage: int, module: nn.Module, timeout: float = 300.0) -> nn.Module:
