@@ -267,10 +267,12 @@ class _Dispatcher:
 
             return hook
 
+        # the dispatch's backward sends the received rows' gradients back, the combine's
+        # backward the gradients of the rows this process had sent
         if isinstance(received, torch.Tensor) and received.requires_grad:
-            received.register_hook(add(in_rows))  # type: ignore[no-untyped-call]  # dispatch's backward: received rows' grads
+            received.register_hook(add(in_rows))  # type: ignore[no-untyped-call]
         if isinstance(back, torch.Tensor) and back.requires_grad:
-            back.register_hook(add(out_rows))  # type: ignore[no-untyped-call]  # combine's backward: sent rows' grads
+            back.register_hook(add(out_rows))  # type: ignore[no-untyped-call]
 
 
 def _shard(module: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
