@@ -267,6 +267,7 @@ def _checkpoint(root: str) -> dict[str, Any]:
     opt.step()
     path = os.path.join(root, "ep2")
     ck.save(pipe, path, optimizer=opt, extra={"from": "ep2"})
+    ck.export(pipe, os.path.join(root, "ep2.safetensors"))  # gathers the expert shards
     saved = {n: full(p) for n, p in pipe.named_parameters()}
     plain_mesh = meshpipe.init_mesh(pp=2, dp=2)
     back = meshpipe.Pipeline(moe_net(seed=6), plain_mesh, "1f1b", 2, loss_fn=mse, dp="fsdp")
@@ -274,7 +275,17 @@ def _checkpoint(root: str) -> dict[str, Any]:
     extra = ck.load(back, path, optimizer=bopt)
     loaded = {n: full(p) for n, p in back.named_parameters()}
     gap = max((saved[n] - loaded[n]).abs().max().item() for n in saved)
-    return {"gap": gap, "names": sorted(saved) == sorted(loaded), "extra": extra, "saved": saved}
+    ck.save(back, os.path.join(root, "ep1"), optimizer=bopt)  # and back: ep=1 into ep=2
+    again = meshpipe.Pipeline(
+        moe_net(seed=8), mesh, "1f1b", 2, loss_fn=mse, dp="fsdp", ep_plan=PLAN
+    )
+    ck.load(again, os.path.join(root, "ep1"), optimizer=torch.optim.AdamW(again.parameters()))
+    local = {n: tuple(p.to_local().shape) for n, p in again.named_parameters() if ".experts." in n}
+    back_gap = max((saved[n] - full(p)).abs().max().item() for n, p in again.named_parameters())
+    return {
+        "gap": gap, "back_gap": back_gap, "names": sorted(saved) == sorted(loaded),
+        "extra": extra, "saved": saved, "local": local,
+    }  # fmt: skip
 
 
 def _world4(root: str) -> dict[str, Any]:
@@ -432,18 +443,25 @@ def test_mixtral_pp2_dp2_ep2_fsdp_matches_one_process(world4: list[dict[str, Any
         assert b["ep_bytes"] == b["formula"] > 0, (rank, b)
 
 
-def test_checkpoint_saved_at_ep2_loads_at_ep1_and_in_one_process(
+def test_checkpoint_saved_at_ep2_loads_at_ep1_in_one_process_and_exports(
     world4: list[dict[str, Any]], root: Path
 ) -> None:
     for rank, res in enumerate(world4):
         c = res["ckpt"]
         assert c["names"] and c["gap"] == 0.0 and c["extra"] == {"from": "ep2"}, (rank, c)
+        assert c["back_gap"] == 0.0, (rank, c["back_gap"])  # ep=1 loaded into ep=2
+        assert {s[0] for s in c["local"].values()} == {E // 2}, c["local"]
     plain = moe_net(seed=7)
     ck.load(plain, root / "ep2")  # pp=2 x dp=2, ep=2 into one process
     saved = {n: t for res in world4 for n, t in res["ckpt"]["saved"].items()}
     assert sorted(saved) == sorted(n for n, _ in plain.named_parameters())
     for name, t in saved.items():
         assert torch.equal(plain.get_parameter(name).detach(), t), name
+    from safetensors.torch import load_file
+
+    exported = load_file(str(root / "ep2.safetensors"))
+    assert sorted(exported) == sorted(saved)
+    assert all(torch.equal(exported[n], t) for n, t in saved.items())
 
 
 def test_stage_meshes_tp1_then_dp2_ep2_match_one_process() -> None:
