@@ -307,6 +307,7 @@ def _world4(root: str) -> dict[str, Any]:
     out["dp4_none"] = _custom(dp4, None, "1f1b", with_bytes=True)
     out["dp4_fsdp"] = _custom(dp4, "fsdp", "1f1b")
     out["replicas"] = dp4.meshpipe_ep.replicas  # type: ignore[attr-defined]
+    out["coords"] = meshpipe.Pipeline(moe_net(), mesh, "1f1b", 2, ep_plan=PLAN).topology.coords
     out["no_sync"] = _no_sync(dp4)
     out["mixtral"] = _mixtral(mesh)
     out["ckpt"] = _checkpoint(root)
@@ -321,6 +322,7 @@ def _world3() -> dict[str, Any]:
     pipe = meshpipe.Pipeline(net, meshes, "1f1b", 2, loss_fn=mse, ep_plan=PLAN)
     out = {**train(pipe, ref, _batches(seed=4), lambda t: t), "experts": expert_layout(pipe, ref)}
     out["rows"] = pipe.comm_stats()["ep_rows_received"]
+    out["coords"] = pipe.topology.coords
     return out
 
 
@@ -414,6 +416,10 @@ def test_experts_are_grouped_and_replicated_as_stated(world4: list[dict[str, Any
         (0, 1), (0, 1), (2, 3), (2, 3),
     ]  # fmt: skip
     assert world4[0]["replicas"] == 2
+    # reports and traces name each process's place in its ep group
+    assert [r["coords"] for r in world4] == [
+        {"pp": p, "dp": d, "tp": 0, "ep": d} for p in range(2) for d in range(2)
+    ]
 
 
 def test_no_sync_accumulates_expert_gradients(world4: list[dict[str, Any]]) -> None:
@@ -469,6 +475,8 @@ def test_stage_meshes_tp1_then_dp2_ep2_match_one_process() -> None:
     for rank, r in enumerate(results):
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, r)
         lay = r["experts"]
+        assert r["coords"] == ({"pp": 0, "dp": 0, "tp": 0} if rank == 0 else
+                               {"pp": 1, "dp": rank - 1, "tp": 0, "ep": rank - 1})  # fmt: skip
         if rank == 0:  # stage 0's mesh has no ep: its MoE keeps all 4 experts
             assert {v["local_shape"][0] for v in lay.values()} == {E}, lay
             assert r["rows"] == 0

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["EP_ATTR", "EpMeshes", "attach_ep", "check_ep", "ep_of"]
+__all__ = ["EP_ATTR", "EpMeshes", "attach_ep", "check_ep", "ep_coord", "ep_of"]
 
 EP_ATTR = "meshpipe_ep"
 EP_DIMS = ("ep_outer", "ep_replicate", "ep")
@@ -76,6 +76,12 @@ def attach_ep(mesh: DeviceMesh, ids: torch.Tensor, ep: int, device_type: str) ->
     """Give ``mesh`` its ep meshes (``ids`` as in :func:`build_ep`); nothing for ep=1."""
     if ep > 1:
         setattr(mesh, EP_ATTR, build_ep(ids, ep, device_type))
+
+
+def ep_coord(mesh: DeviceMesh) -> dict[str, int]:
+    """``{"ep": this process's place in its ep group}`` (reports, traces), or ``{}``."""
+    found = ep_of(mesh)
+    return {} if found is None else {"ep": found.ep_mesh.get_local_rank()}
 
 
 def ep_of(mesh: DeviceMesh) -> EpMeshes | None:

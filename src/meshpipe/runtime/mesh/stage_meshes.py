@@ -19,7 +19,7 @@ from meshpipe.runtime.mesh.axes import (
     flatten_dp,
     flattened,
 )
-from meshpipe.runtime.mesh.ep import attach_ep, check_ep, ep_of
+from meshpipe.runtime.mesh.ep import attach_ep, check_ep, ep_coord, ep_of
 from meshpipe.runtime.mesh.layout import Layout, gather_parts
 from meshpipe.runtime.mesh.topology import Topology, ep_size, init_default_group, mesh_device
 from meshpipe.runtime.step.microbatch import (
@@ -188,7 +188,7 @@ def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
         tp_size=tp,
         tp_mesh=mesh["tp"] if "tp" in names else None,
         device=mesh_device(mesh),
-        coords=_named(pp, d // dp, rep, d % dp, t),
+        coords=_named(pp, d // dp, rep, d % dp, t) | ep_coord(mesh),
         axis_sizes=_named(len(meshes), rep, rep, dp, tp),
         layout=layout,
         replicate_size=rep,

@@ -20,7 +20,7 @@ from meshpipe.runtime.mesh.axes import (
     dp_groups,
 )
 from meshpipe.runtime.mesh.compat import check_torch_version
-from meshpipe.runtime.mesh.ep import EpMeshes, attach_ep, check_ep, ep_of
+from meshpipe.runtime.mesh.ep import EpMeshes, attach_ep, check_ep, ep_coord, ep_of
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.transfer.channels import Channels
 
@@ -180,7 +180,8 @@ class Topology:
                 axis: mesh.get_local_rank(axis)
                 for axis in names
                 if axis in (pp_axis, dp_axis, tp_axis) or sizes[axis] > 1
-            },
+            }
+            | ep_coord(mesh),
             axis_sizes=sizes,
             layout=Layout.uniform(pp_ranks, pp_rank),
             replicate_size=dps.replicate_size,
