@@ -48,6 +48,9 @@ from meshpipe.testing import run_on_ranks
 
 from parity import dp_batch, refusal
 
+# the first test waits for the world4 spawn (about 20 s alone, minutes on a loaded machine)
+pytestmark = pytest.mark.timeout(900)
+
 ATOL = 1e-5
 # parameters after 3 AdamW steps (lr 1e-2): AdamW divides by sqrt(v), so rounding
 # differences in near-zero gradients move a weight by up to ~lr x 1e-2 (as in test_real_models)
