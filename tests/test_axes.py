@@ -104,7 +104,7 @@ def _errors() -> dict[str, str]:
     return {
         "product": refusal(lambda: meshpipe.init_mesh(pp=1, dp_replicate=2, dp=1, tp=1)),
         "cp": refusal(lambda: meshpipe.init_mesh(pp=1, dp=2, cp=2)),
-        "ep": refusal(lambda: meshpipe.init_mesh(pp=2, dp=2, ep=2)),
+        "ep": refusal(lambda: meshpipe.init_mesh(pp=2, dp=2, ep=3)),
         "stage_cp": refusal(lambda: meshpipe.init_stage_meshes([{"dp": 2, "cp": 2}])),
         "stage_sum": refusal(lambda: meshpipe.init_stage_meshes([{"dp_replicate": 2, "dp": 1}])),
     }
@@ -241,7 +241,7 @@ def test_bad_degrees_are_refused_naming_them(world4: list[dict[str, Any]]) -> No
     assert "pp=1 x dp_replicate=2 x dp=1 x cp=1 x tp=1 = 2 processes" in errors["product"]
     assert "world size is 4" in errors["product"]
     assert "cp=2" in errors["cp"] and "not built yet" in errors["cp"]
-    assert "ep=2" in errors["ep"] and "not built yet" in errors["ep"]
+    assert "ep=3 does not divide dp x cp = 2 x 1 = 2" in errors["ep"]
     assert "cp=2" in errors["stage_cp"] and "not built yet" in errors["stage_cp"]
     assert "world size is 4" in errors["stage_sum"], errors["stage_sum"]
 

@@ -50,6 +50,11 @@ def test_dp_replicate_counts_like_dp() -> None:
     assert mesh_processes([{"dp_replicate": 2, "dp": 2, "tp": 2}]) == (8,)
 
 
+def test_ep_adds_no_processes() -> None:
+    # ep groups a mesh's dp ranks that share their experts: the same processes as without it
+    assert mesh_processes([{"tp": 1}, {"dp": 2, "ep": 2}]) == (1, 2)
+
+
 def test_v_schedule_maps_stages_through_placement() -> None:
     s = get_schedule("zbv", 2, 4)
     assert s.placement == (0, 1, 1, 0)

@@ -19,21 +19,28 @@ __all__ = ["apply_fsdp", "fsdp_begin_step", "fsdp_reduce"]
 
 
 def apply_fsdp(
-    module: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+    module: nn.Module,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> FSDPModule:
     """Shard one stage's parameters over ``dp_mesh``, each of its blocks first (a traced
     stage's ``meshpipe_blocks``: one FSDP2 unit per transformer block, as in one process),
-    then the stage; parameters stay gathered for the step."""
+    then the stage; parameters stay gathered for the step. ``ignored`` parameters (experts
+    already sharded over ep) are left to their owner."""
     policy = mp_policy or MixedPrecisionPolicy()
+    skip = ignored or None
     for name in getattr(module, "meshpipe_blocks", ()):
         fully_shard(
-            module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy
-        )
+            module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=False,
+            mp_policy=policy, ignored_params=skip,
+        )  # fmt: skip
     sharded: Any = fully_shard(
         module,
         mesh=dp_mesh,
         reshard_after_forward=False,
         mp_policy=policy,
+        ignored_params=skip,
     )
     return sharded  # type: ignore[no-any-return]
 

@@ -17,7 +17,9 @@ from torch.distributed.tensor.parallel import (
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["auto_tp_plan", "HF_STYLES"]
+__all__ = ["auto_ep_plan", "auto_tp_plan", "HF_STYLES"]
+
+EP_EXPERTS = "ep_dispatch_experts"  # the style transformers gives an experts module
 
 # transformers' style names -> torch's parallel styles (their meaning for nn.Linear)
 HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
@@ -30,17 +32,18 @@ HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 }
 
 
-def _declared(model: nn.Module) -> dict[str, str]:
+def _declared(model: nn.Module, kind: str = "tp") -> dict[str, str]:
     """The model's declared plan, keys made full module names: the base model's plan (from
-    its config, under ``base_model_prefix``) and the head's own (``_tp_plan``)."""
+    its config, under ``base_model_prefix``) and the head's own (``_tp_plan``); ``kind``
+    "ep": ``base_model_ep_plan``."""
     plan: dict[str, str] = {}
     config = getattr(model, "config", None)
-    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    base = dict(getattr(config, f"base_model_{kind}_plan", None) or {})
     prefix = str(getattr(model, "base_model_prefix", "") or "")
     has_prefix = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
     for key, style in base.items():
         plan[f"{prefix}.{key}" if has_prefix else key] = style
-    for key, style in dict(getattr(type(model), "_tp_plan", None) or {}).items():
+    for key, style in dict(getattr(type(model), f"_{kind}_plan", None) or {}).items():
         plan.setdefault(key, style)
     return plan
 
@@ -70,4 +73,23 @@ def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
                 "explicit tp_plan={...}"
             )
         plan[key] = make()
+    return plan
+
+
+def auto_ep_plan(model: Any) -> list[str]:
+    """``ep_plan="auto"``: the experts modules a Hugging Face MoE model's config declares in
+    ``base_model_ep_plan`` (the keys of style ``ep_dispatch_experts``, full module names),
+    as patterns for meshpipe's ep; PipelineError if it declares none."""
+    if not isinstance(model, nn.Module) or isinstance(model, (list, tuple, nn.ModuleList)):
+        raise PipelineError(
+            "ep_plan='auto' reads the plan a whole Hugging Face model declares; pass the "
+            "whole model (not a list of stages), or ep_plan=[...] naming the experts modules"
+        )
+    plan = [key for key, style in _declared(model, "ep").items() if style == EP_EXPERTS]
+    if not plan:
+        raise PipelineError(
+            f"{type(model).__name__} declares no experts modules (its config has no "
+            f"base_model_ep_plan entry of style {EP_EXPERTS!r}); pass ep_plan=[...] naming "
+            "the modules holding the stacked expert weights (docs/axes.md)"
+        )
     return plan

@@ -21,6 +21,7 @@ __all__ = ["mesh_processes", "stage_mesh_cost"]
 # the axes of a stage mesh (init_stage_meshes' keys, cp and ep not built); a missing one
 # has size 1; ep adds no processes, so it is not counted here
 MESH_AXES = ("dp_replicate", "dp", "tp")
+NO_PROCESSES = ("ep",)  # accepted (ep groups a mesh's dp ranks), counts no processes
 
 
 def _processes(rank: int, mesh: object) -> int:
@@ -30,7 +31,7 @@ def _processes(rank: int, mesh: object) -> int:
         raise ValueError(
             f"stage mesh {rank} is {mesh!r}; give a dict of axis sizes such as {{'dp': 2}}"
         )
-    unknown = sorted(str(k) for k in mesh if k not in MESH_AXES)
+    unknown = sorted(str(k) for k in mesh if k not in MESH_AXES + NO_PROCESSES)
     if unknown:
         raise ValueError(
             f"stage mesh {rank} names unknown axes {unknown}; a stage mesh has the axes "

@@ -192,6 +192,7 @@ def _drop_unit_mutations(ep: ExportedProgram, units: Sequence[str]) -> None:
 def _fold(graph: fx.Graph, call: _Call, params: set[str], renamed: dict[str, fx.Node]) -> bool:
     nodes = list(graph.nodes)
     region = [n for n in nodes if n.op == "call_function" and _in_call(n, call.path, call.index)]
+    region = _without_size_arithmetic(region)
     by_name = {**{n.name: n for n in nodes}, **renamed}
     sig = call.signature
     try:
@@ -255,6 +256,21 @@ def _fold(graph: fx.Graph, call: _Call, params: set[str], renamed: dict[str, fx.
     if left:
         raise SplitError(f"internal: folding {call.path} left operations {left[:4]} in use")
     return True
+
+
+def _without_size_arithmetic(region: Sequence[fx.Node]) -> list[fx.Node]:
+    """``region`` less its scalar size arithmetic on values from outside it (``2 * s0 *
+    s1``): export computes such a size once and shares it with later calls, so it stays in
+    the glue, where the call and the later users both read it."""
+    scalars = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+    moved: set[fx.Node] = set()
+    members = set(region)
+    for n in region:
+        if isinstance(n.meta.get("val"), scalars) and all(
+            a not in members or a in moved for a in n.all_input_nodes
+        ):
+            moved.add(n)
+    return [n for n in region if n not in moved]
 
 
 def _replicable_region(region: Sequence[fx.Node], params: set[str]) -> bool:

@@ -6,7 +6,8 @@ take the global batch's row slices in order, replicate-major (replica
 DDP-style gradients, the replicas' initial broadcast) runs over one group holding all of
 them: the flattened ``(dp_replicate, dp)`` sub-mesh. FSDP2 shards over that flat group
 (``dp="fsdp"``), or over the 2-d sub-mesh (``dp="hsdp"``: sharded within ``dp``,
-replicated across ``dp_replicate``). ``cp`` and ``ep`` are accepted with size 1 only.
+replicated across ``dp_replicate``). ``cp`` is accepted with size 1 only; ``ep`` groups the
+``dp x cp`` ranks that share their experts (runtime/mesh/ep.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = [
 
 MESH_AXES = ("pp", "dp_replicate", "dp", "cp", "tp")  # init_mesh's axes, in mesh order
 REPLICATE = "dp_replicate"
-NOT_BUILT = ("cp", "ep")  # accepted with size 1 only, for now
+NOT_BUILT = ("cp",)  # accepted with size 1 only, for now
 
 
 def check_degree(name: str, value: object, where: str = "") -> int:
@@ -43,7 +44,7 @@ def check_degree(name: str, value: object, where: str = "") -> int:
 
 
 def check_not_built(sizes: Mapping[str, int], where: str = "") -> None:
-    """Refuse ``cp`` or ``ep`` above 1: context and expert parallelism are not built yet."""
+    """Refuse the axes not built yet (``NOT_BUILT``) above 1."""
     for axis in NOT_BUILT:
         size = sizes.get(axis, 1)
         if size > 1:

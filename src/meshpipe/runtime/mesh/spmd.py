@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshpipe.errors import PipelineError
 from meshpipe.parallel import (
@@ -18,6 +20,7 @@ from meshpipe.parallel import (
     check_tp_plan,
     fsdp_begin_step,
 )
+from meshpipe.parallel.ep import EpStats, apply_ep, check_ep_plan
 from meshpipe.parallel.fsdp_plan import plan_fsdp
 from meshpipe.parallel.replicas import broadcast_replicas
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
@@ -29,6 +32,11 @@ __all__ = ["Spmd", "DP_MODES"]
 DP_MODES = (None, "ddp", "fsdp", "hsdp")
 SHARDED = ("fsdp", "hsdp")  # the modes FSDP2 runs
 Hook = Callable[[], None]
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    """Elements of this process's shard of ``p`` (a DTensor) or of ``p``."""
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
 def _ring(nbytes: int, n: int) -> int:
@@ -46,6 +54,7 @@ class Spmd:
         tp_plan: Mapping[str, Any] | None,
         mp_policy: Any | None,
         reshard_gap: int | None = 2,
+        ep_plan: Sequence[str] | None = None,
     ) -> None:
         if dp not in DP_MODES:
             raise PipelineError(f"dp must be one of {DP_MODES}, got {dp!r}")
@@ -73,6 +82,10 @@ class Spmd:
                 "mesh has no 'dp_replicate' axis; build it with meshpipe.init_mesh(pp=..., "
                 "dp_replicate=..., dp=...), or pass dp='fsdp'"
             )
+        self._check_ep(topo, ep_plan)
+        self.ep_plan = ep_plan
+        self.ep_stats = EpStats()
+        self._experts: dict[int, list[nn.Parameter]] = {}  # stage -> its expert parameters
         self.topo = topo
         self.dp = dp if topo.dp_size > 1 else None  # dp= on size-1 axes is a no-op
         # FSDP2's unit: the 2-d (dp_replicate, dp) mesh for hsdp, every replica for fsdp (and
@@ -91,6 +104,26 @@ class Spmd:
         # FSDP2: reshard a stage whose next action is at least this many actions away
         self.reshard_gap = reshard_gap
 
+    @staticmethod
+    def _check_ep(topo: Topology, ep_plan: Sequence[str] | None) -> None:
+        """ep > 1 needs an ep_plan naming the experts modules, and no tp on that mesh."""
+        eps = topo.ep_sizes or (1,)
+        if max(eps) > 1 and ep_plan is None:
+            raise PipelineError(
+                f"a mesh has ep={max(eps)} but no ep_plan was given; pass ep_plan='auto' (a "
+                "Hugging Face MoE model's declared plan) or ep_plan=['layers.*.moe.experts', "
+                "...] naming the experts modules (docs/axes.md)"
+            )
+        lay = topo.layout
+        tps = [lay.shape(i)[1] for i in range(len(lay.grids))] if lay.stage_meshes else None
+        for i, ep in enumerate(eps):
+            tp = topo.tp_size if tps is None else tps[i]
+            if ep > 1 and tp > 1:
+                raise PipelineError(
+                    f"pp rank {i}'s mesh has ep={ep} and tp={tp}: expert parallelism beside "
+                    "tensor parallelism is not built in meshpipe; use tp=1 where ep > 1"
+                )
+
     def check(self, all_stages: Sequence[nn.Module], placement: Sequence[int]) -> None:
         """Checks that need every stage (same on every rank, before any communication): the
         tp plan against the stages it applies to (stage meshes: those on meshes of each tp
@@ -102,6 +135,10 @@ class Spmd:
                 for s in range(len(all_stages))
             ]
             check_tp_plan(all_stages, self._plan_to_check, tp, applies)  # type: ignore[arg-type]
+        eps = self.topo.ep_sizes
+        if self.ep_plan is not None:  # checked at ep=1 too: a wrong pattern fails now
+            per_stage = [eps[placement[s]] if eps else 1 for s in range(len(all_stages))]
+            check_ep_plan(all_stages, self.ep_plan, per_stage)
 
     def wrap(self, stage: int, module: nn.Module, timeout: float = 300.0) -> nn.Module:
         """Apply TP, make the dp replicas equal (replica 0's parameters and buffers, over
@@ -115,10 +152,13 @@ class Spmd:
                 module, topo.dp_group, stage, topo.device,
                 lambda work, what: wait_bounded(work, timeout, what, None),
             )  # fmt: skip
-        param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        experts = self._experts[stage] = self._apply_ep(module)
+        skip = {id(p) for p in experts}
+        plain: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in skip]
+        param_bytes = sum(p.numel() * p.element_size() for p in plain)
         dp = topo.dp_size
         if self.dp in SHARDED and self._shard_mesh is not None:
-            sharded = apply_fsdp(module, self._shard_mesh, self.mp_policy)
+            sharded = apply_fsdp(module, self._shard_mesh, self.mp_policy, set(experts))
             self._fsdp[stage] = sharded
             self._param_bytes[stage] = param_bytes
             # at least one all-gather and one reduce-scatter of the stage per step (ring),
@@ -131,13 +171,39 @@ class Spmd:
             self.dp_bytes_per_step += base
             self.dp_bytes_min += base
         elif self.dp == "ddp" and topo.dp_group is not None:
-            self._syncs[stage] = GradSync(list(module.parameters()), topo.dp_group)
+            self._syncs[stage] = GradSync(list(plain), topo.dp_group)
             self.dp_bytes_per_step += 2 * _ring(param_bytes, dp)
             self.dp_bytes_min += 2 * _ring(param_bytes, dp)
         elif self.plain_allreduce:
             self.dp_bytes_per_step += 2 * _ring(param_bytes, dp)
             self.dp_bytes_min += 2 * _ring(param_bytes, dp)
         return module
+
+    def _apply_ep(self, module: nn.Module) -> list[nn.Parameter]:
+        """Shard the stage's experts over its ep group (after the replicas were made equal);
+        their all-reduce over the expert replicas is counted with dp's bytes."""
+        ep = self.topo.ep
+        if ep is None or self.ep_plan is None:
+            return []
+        experts = apply_ep(module, self.ep_plan, ep.ep_mesh, self.ep_stats)
+        local = sum(_local_numel(p) * p.element_size() for p in experts)
+        self.dp_bytes_per_step += 2 * _ring(local, ep.replicas)
+        self.dp_bytes_min += 2 * _ring(local, ep.replicas)
+        self._dp_bytes_base += 2 * _ring(local, ep.replicas)
+        return experts
+
+    def split_experts(
+        self, params: Sequence[nn.Parameter]
+    ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(the others, the expert parameters) of ``params``."""
+        ids = {id(p) for ps in self._experts.values() for p in ps}
+        return [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
+
+    @property
+    def expert_group(self) -> Any:
+        """The group expert gradients are summed over (None: nothing to sum)."""
+        ep = self.topo.ep
+        return None if ep is None else ep.replica_group()
 
     @property
     def _shard_size(self) -> int:

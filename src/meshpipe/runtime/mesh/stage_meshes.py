@@ -19,8 +19,9 @@ from meshpipe.runtime.mesh.axes import (
     flatten_dp,
     flattened,
 )
+from meshpipe.runtime.mesh.ep import attach_ep, check_ep, ep_coord, ep_of
 from meshpipe.runtime.mesh.layout import Layout, gather_parts
-from meshpipe.runtime.mesh.topology import Topology, init_default_group, mesh_device
+from meshpipe.runtime.mesh.topology import Topology, ep_size, init_default_group, mesh_device
 from meshpipe.runtime.step.microbatch import (
     ChunkSpec,
     Microbatches,
@@ -34,7 +35,7 @@ from meshpipe.schedule.ir import Schedule
 __all__ = ["init_stage_meshes", "stage_topology", "is_stage_meshes"]
 
 STAGE_AXES = (REPLICATE, "dp", "tp")  # a stage mesh's axes; dp_replicate only when above 1
-SHAPE_KEYS = (REPLICATE, "dp", "cp", "tp", "ep")  # what a shape may name (cp, ep: size 1)
+SHAPE_KEYS = (REPLICATE, "dp", "cp", "tp", "ep")  # what a shape may name (cp: size 1)
 
 
 def _shape(i: int, shape: object) -> tuple[int, int, int]:
@@ -52,6 +53,7 @@ def _shape(i: int, shape: object) -> tuple[int, int, int]:
     where = f"stage mesh {i}: "
     sizes = {axis: check_degree(axis, shape.get(axis, 1), where) for axis in SHAPE_KEYS}
     check_not_built(sizes, where)
+    check_ep(sizes, where)
     return sizes[REPLICATE], sizes["dp"], sizes["tp"]
 
 
@@ -65,8 +67,9 @@ def init_stage_meshes(
     ranks: ``init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 2}])`` puts pp rank 0 on
     process 0, pp rank 1 on processes 1-2 (dp) and pp rank 2 on 3-4 (tp).
 
-    A shape may name ``dp_replicate``, ``dp``, ``cp``, ``tp`` and ``ep`` (``cp`` and ``ep``
-    of size 1 only, for now); ``dp_replicate x dp`` replicas split each microbatch's rows
+    A shape may name ``dp_replicate``, ``dp``, ``cp``, ``tp`` and ``ep`` (``cp`` of size 1
+    only, for now; ``ep`` groups that mesh's dp ranks sharing their experts and must divide
+    its ``dp``); ``dp_replicate x dp`` replicas split each microbatch's rows
     in order, replicate-major. The sizes must add up to the world size. The default process
     group is initialised from torchrun's environment when none exists, as
     :func:`meshpipe.init_mesh` does; an existing one is used as it is. Every process builds
@@ -91,7 +94,7 @@ def init_stage_meshes(
         )
     meshes = []
     base = 0
-    for rep, dp, tp in sizes:
+    for (rep, dp, tp), shape in zip(sizes, shapes, strict=True):
         ids = torch.arange(base, base + rep * dp * tp)
         if rep > 1:
             mesh = DeviceMesh(device_type, ids.reshape(rep, dp, tp), mesh_dim_names=STAGE_AXES)
@@ -99,6 +102,7 @@ def init_stage_meshes(
                 flatten_dp(mesh, "dp")
         else:
             mesh = DeviceMesh(device_type, ids.reshape(dp, tp), mesh_dim_names=STAGE_AXES[1:])
+        attach_ep(mesh, ids.reshape(1, rep, dp, 1, tp), int(shape.get("ep", 1)), device_type)
         meshes.append(mesh)
         base += rep * dp * tp
     return meshes
@@ -184,11 +188,13 @@ def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
         tp_size=tp,
         tp_mesh=mesh["tp"] if "tp" in names else None,
         device=mesh_device(mesh),
-        coords=_named(pp, d // dp, rep, d % dp, t),
+        coords=_named(pp, d // dp, rep, d % dp, t) | ep_coord(mesh),
         axis_sizes=_named(len(meshes), rep, rep, dp, tp),
         layout=layout,
         replicate_size=rep,
         hsdp_mesh=dps.hsdp,
+        ep=ep_of(mesh),
+        ep_sizes=tuple(ep_size(m) for m in meshes),
     )
 
 

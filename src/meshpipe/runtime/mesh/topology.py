@@ -20,6 +20,7 @@ from meshpipe.runtime.mesh.axes import (
     dp_groups,
 )
 from meshpipe.runtime.mesh.compat import check_torch_version
+from meshpipe.runtime.mesh.ep import EpMeshes, attach_ep, check_ep, ep_coord, ep_of
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.transfer.channels import Channels
 
@@ -44,7 +45,9 @@ def init_mesh(
 
     ``dp_replicate`` and ``dp`` split the batch rows (``dp_replicate x dp`` replicas, in
     order, replicate-major); ``dp="hsdp"`` shards within ``dp`` and replicates across
-    ``dp_replicate`` (docs/axes.md). ``cp`` and ``ep`` (which adds no processes) are
+    ``dp_replicate`` (docs/axes.md). ``ep`` adds no processes: it groups ``ep``
+    consecutive ranks of ``dp x cp`` that share their experts and must divide ``dp x cp``
+    (runtime/mesh/ep.py; collective: every process makes the ep groups). ``cp`` is
     accepted with size 1 only for now.
 
     Initialises the default process group from torchrun's environment variables when none
@@ -57,6 +60,7 @@ def init_mesh(
     given = {"pp": pp, "dp_replicate": dp_replicate, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
     degrees = {name: check_degree(name, value) for name, value in given.items()}
     check_not_built(degrees)
+    check_ep(degrees)
     sizes = tuple(degrees[axis] for axis in AXES)
     device_type = init_default_group(device_type, timeout)
     world = dist.get_world_size()
@@ -69,7 +73,9 @@ def init_mesh(
             f"mesh {named} = {product} processes, but the world size is {world}; the "
             "product of the degrees must equal the world size (ep adds no processes)"
         )
-    return init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=AXES)
+    attach_ep(mesh, torch.arange(world).reshape(sizes), ep, device_type)
+    return mesh
 
 
 def init_default_group(device_type: str | None, timeout: float) -> str:
@@ -119,6 +125,8 @@ class Topology:
     layout: Layout  # the processes of every pp rank (uniform mesh: one per pp rank)
     replicate_size: int = 1
     hsdp_mesh: DeviceMesh | None = None
+    ep: EpMeshes | None = None  # this process's ep groups (None: ep=1)
+    ep_sizes: tuple[int, ...] = ()  # the ep degree of every pp rank's mesh (empty: all 1)
 
     @property
     def dp_index(self) -> int:
@@ -172,12 +180,21 @@ class Topology:
                 axis: mesh.get_local_rank(axis)
                 for axis in names
                 if axis in (pp_axis, dp_axis, tp_axis) or sizes[axis] > 1
-            },
+            }
+            | ep_coord(mesh),
             axis_sizes=sizes,
             layout=Layout.uniform(pp_ranks, pp_rank),
             replicate_size=dps.replicate_size,
             hsdp_mesh=dps.hsdp,
+            ep=ep_of(mesh),
+            ep_sizes=(ep_size(mesh),) * sizes[pp_axis],
         )
+
+
+def ep_size(mesh: DeviceMesh) -> int:
+    """The ep degree a mesh carries (1 without ep meshes)."""
+    found = ep_of(mesh)
+    return 1 if found is None else found.size
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -174,6 +174,7 @@ class StepDriver:
         # the usual step reduces as stages finish; accumulation reduces at the end
         hooks = self.spmd.hooks(schedule, self.topology.pp_rank, sync=self.accumulate.usual)
         before, after = hooks if training else ({}, {})
+        self.spmd.ep_stats.reset()  # comm_stats: what this call's all-to-alls moved
         if training:
             self.spmd.begin_step()
         self.comm_now = comm
@@ -274,14 +275,20 @@ class StepDriver:
         if whole is not None and not topo.stage_meshes:
             whole.sync_grads()  # tied weights: sum over the stages holding them
         dp_group = topo.dp_group
+        # expert parameters: summed over the processes holding the same experts, scaled as
+        # the rest (their own ep group's tokens are already in them, by the all-to-alls)
+        plain, experts = spmd.split_experts(params)
+        groups = [(plain, dp_group), (experts, spmd.expert_group)]
         if spmd.uses_fsdp:
             acc.check_uniform(scale * gs)
         if not acc.usual:
-            acc.reduce(params, scale * gs, dp_group, self.timeout, watchdog)
+            acc.reduce(params, scale * gs, groups, self.timeout, watchdog)
         elif spmd.grads_summed_elsewhere:
-            reduce_grads(params, scale * factor * gs, None)
+            reduce_grads(plain, scale * factor * gs, None)
+            reduce_grads(experts, scale * gs, spmd.expert_group, self.timeout, watchdog)
         else:
-            reduce_grads(params, scale * gs, dp_group, self.timeout, watchdog)
+            for group_params, group in groups:
+                reduce_grads(group_params, scale * gs, group, self.timeout, watchdog)
         if whole is not None and topo.stage_meshes:
             whole.sync_grads()  # stage meshes: after dp, as whole-mesh means
         return loss
@@ -330,6 +337,8 @@ class StepDriver:
             "boundary_bytes": {} if comm is None else comm.boundary_bytes(),
             "dp_bytes": self.spmd.dp_bytes_per_step,
             "dp_bytes_min": self.spmd.dp_bytes_min,
+            "ep_bytes": self.spmd.ep_stats.bytes_sent,
+            "ep_rows_received": self.spmd.ep_stats.rows_received,
         }
 
     def report(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError
-from meshpipe.parallel.hf_plan import auto_tp_plan
+from meshpipe.parallel.hf_plan import auto_ep_plan, auto_tp_plan
 from meshpipe.runtime.checks.agree import check_mode
 from meshpipe.runtime.failures.closing import closing_status, reads_closing
 from meshpipe.runtime.generate.api import GenTarget, generate
@@ -63,7 +63,9 @@ class Pipeline:
     model built on the meta device is materialised stage by stage on the ranks that hold
     them (``reset_parameters``, or ``init_fn(module)``). ``schedule`` is a name
     (``num_microbatches`` required) or a Schedule. ``dp``/``tp_plan``/``mp_policy`` set the
-    per-stage SPMD on the mesh's other axes (docs/parallel.md). Every rank makes the same
+    per-stage SPMD on the mesh's other axes (docs/parallel.md); ``ep_plan`` names the
+    experts modules a mesh with ep > 1 shards (``"auto"``: a Hugging Face model's declared
+    ``base_model_ep_plan``; docs/axes.md). Every rank makes the same
     calls; each rank keeps only its own stages. Before any transfer, the pp ranks agree that
     they were given the same call (schedule, microbatch count, mode, input and target
     structure, shapes and dtypes) and, by default (``check_inputs="values"``), the same
@@ -90,6 +92,7 @@ class Pipeline:
         *,
         dp: str | None = None,
         tp_plan: Mapping[str, Any] | str | None = None,
+        ep_plan: Sequence[str] | str | None = None,
         mp_policy: Any | None = None,
         fsdp_reshard_gap: int | None = 2,
         pp_axis: str = "pp",
@@ -127,7 +130,8 @@ class Pipeline:
         check_policy(activation_checkpointing, self.schedule.num_stages)
         self._ledger: SavedLedger | None = None  # track_memory()
         plan = auto_tp_plan(model) if tp_plan == "auto" else tp_plan
-        self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap)  # type: ignore[arg-type]
+        experts = auto_ep_plan(model) if ep_plan == "auto" else ep_plan
+        self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap, experts)  # type: ignore[arg-type]
         self.loss_fn, self._loss_use = loss_fn, target_use(loss_fn)  # see step()'s check
         self.chunk_spec = chunk_spec
         self.timeout = float(timeout)

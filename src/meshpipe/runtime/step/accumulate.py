@@ -79,13 +79,14 @@ class Accumulator:
         self,
         params: Sequence[nn.Parameter],
         scale: torch.Tensor,
-        dp_group: dist.ProcessGroup | None,
+        groups: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None]],
         timeout: float,
         watchdog: Watchdog | None,
     ) -> None:
         """An accumulation step's gradients: scaled locally by ``scale`` (the step's own loss
-        normalisation times grad_scale), kept in no_sync, summed over dp with the kept ones
-        on the synced step that ends the window."""
+        normalisation times grad_scale), kept in no_sync, summed with the kept ones on the
+        synced step that ends the window, each part of ``params`` over its group of
+        ``groups`` (dp; expert parameters over their replicas)."""
         reduce_grads(params, scale, None)
         if not self.synced:
             for p in params:
@@ -98,4 +99,5 @@ class Accumulator:
             if kept is not None:
                 p.grad = kept if p.grad is None else p.grad + kept
         self._kept.clear()
-        reduce_grads(params, 1.0, dp_group, timeout, watchdog)
+        for part, group in groups:
+            reduce_grads(part, 1.0, group, timeout, watchdog)
