@@ -6,7 +6,12 @@ take the global batch's row slices in order, replicate-major (replica
 DDP-style gradients, the replicas' initial broadcast) runs over one group holding all of
 them: the flattened ``(dp_replicate, dp)`` sub-mesh. FSDP2 shards over that flat group
 (``dp="fsdp"``), or over the 2-d sub-mesh (``dp="hsdp"``: sharded within ``dp``,
-replicated across ``dp_replicate``). ``cp`` and ``ep`` are accepted with size 1 only.
+replicated across ``dp_replicate``).
+
+``cp`` splits the sequence dim instead of the rows (runtime/step/cp_inputs.py), but reduces
+like a replica: the loss and the gradients run over the flattened ``(dp_replicate, dp, cp)``
+group (each axis of it above 1), so ``DpGroups.size`` counts cp too and ``cp_size`` says how
+much of it is cp. ``ep`` is accepted with size 1 only.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpipe.errors import PipelineError
 
 __all__ = [
+    "CP",
     "MESH_AXES",
     "REPLICATE",
     "DpGroups",
@@ -32,7 +38,8 @@ __all__ = [
 
 MESH_AXES = ("pp", "dp_replicate", "dp", "cp", "tp")  # init_mesh's axes, in mesh order
 REPLICATE = "dp_replicate"
-NOT_BUILT = ("cp", "ep")  # accepted with size 1 only, for now
+NOT_BUILT = ("ep",)  # accepted with size 1 only, for now
+CP = "cp"
 
 
 def check_degree(name: str, value: object, where: str = "") -> int:
@@ -43,7 +50,7 @@ def check_degree(name: str, value: object, where: str = "") -> int:
 
 
 def check_not_built(sizes: Mapping[str, int], where: str = "") -> None:
-    """Refuse ``cp`` or ``ep`` above 1: context and expert parallelism are not built yet."""
+    """Refuse ``ep`` above 1: expert parallelism is not built yet."""
     for axis in NOT_BUILT:
         size = sizes.get(axis, 1)
         if size > 1:
@@ -56,33 +63,44 @@ def check_not_built(sizes: Mapping[str, int], where: str = "") -> None:
 
 @dataclass(frozen=True)
 class DpGroups:
-    """The data-parallel groups of one process: every replica in ``group`` (None when there
-    is one replica), ``flat`` the 1-d mesh over them (for FSDP2 and DDP-style replicas),
+    """The data-parallel groups of one process: every replica and cp rank in ``group`` (None
+    when there is one), ``flat`` the 1-d mesh over them (for FSDP2 and DDP-style replicas),
     ``hsdp`` the 2-d ``(dp_replicate, dp)`` mesh (None without a dp_replicate axis)."""
 
-    size: int
+    size: int  # dp_replicate x dp x cp
     group: dist.ProcessGroup | None
     flat: DeviceMesh | None
     hsdp: DeviceMesh | None
     replicate_size: int
+    cp_size: int = 1
 
 
 def dp_groups(mesh: DeviceMesh, dp_axis: str) -> DpGroups:
-    """The dp groups of ``mesh`` (collective over the mesh when both dp axes exceed 1: the
-    flat group is made then)."""
+    """The dp groups of ``mesh`` (collective over the mesh when two of dp_replicate, dp and
+    cp exceed 1: the flat group is made then)."""
     names = tuple(mesh.mesh_dim_names or ())
     sizes = {axis: mesh.size(names.index(axis)) for axis in names}
-    rep, dp = sizes.get(REPLICATE, 1), sizes.get(dp_axis, 1)
+    rep, dp, cp = sizes.get(REPLICATE, 1), sizes.get(dp_axis, 1), sizes.get(CP, 1)
     hsdp = mesh[REPLICATE, dp_axis] if REPLICATE in names and dp_axis in names else None
     flat: DeviceMesh | None
-    if rep > 1 and dp > 1 and hsdp is not None:
+    if cp > 1:
+        flat = _flat_with_cp(mesh, [a for a in (REPLICATE, dp_axis) if sizes.get(a, 1) > 1])
+    elif rep > 1 and dp > 1 and hsdp is not None:
         flat = flatten_dp(mesh, dp_axis)
     elif rep > 1:
         flat = mesh[REPLICATE]
     else:
         flat = mesh[dp_axis] if dp_axis in names else None
-    group = flat.get_group() if flat is not None and rep * dp > 1 else None
-    return DpGroups(rep * dp, group, flat, hsdp, rep)
+    group = flat.get_group() if flat is not None and rep * dp * cp > 1 else None
+    return DpGroups(rep * dp * cp, group, flat, hsdp, rep, cp)
+
+
+def _flat_with_cp(mesh: DeviceMesh, row_axes: list[str]) -> DeviceMesh:
+    """The 1-d mesh over the row axes above 1 and cp (cp alone: the cp axis itself)."""
+    if not row_axes:
+        return mesh[CP]
+    axes = (*row_axes, CP)
+    return mesh[axes]._flatten("_".join(axes))
 
 
 def flatten_dp(mesh: DeviceMesh, dp_axis: str) -> DeviceMesh:

@@ -52,6 +52,12 @@ def _shape(i: int, shape: object) -> tuple[int, int, int]:
     where = f"stage mesh {i}: "
     sizes = {axis: check_degree(axis, shape.get(axis, 1), where) for axis in SHAPE_KEYS}
     check_not_built(sizes, where)
+    if sizes["cp"] > 1:
+        raise PipelineError(
+            f"{where}cp={sizes['cp']}: context parallelism on stage meshes is not built yet "
+            "(their boundaries move whole rows); use one mesh, meshpipe.init_mesh(pp=..., "
+            "cp=...), or cp=1 here"
+        )
     return sizes[REPLICATE], sizes["dp"], sizes["tp"]
 
 

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.mesh.axes import (
+    CP,
     MESH_AXES,
     REPLICATE,
     check_degree,
@@ -44,8 +45,9 @@ def init_mesh(
 
     ``dp_replicate`` and ``dp`` split the batch rows (``dp_replicate x dp`` replicas, in
     order, replicate-major); ``dp="hsdp"`` shards within ``dp`` and replicates across
-    ``dp_replicate`` (docs/axes.md). ``cp`` and ``ep`` (which adds no processes) are
-    accepted with size 1 only for now.
+    ``dp_replicate`` (docs/axes.md). ``cp`` splits the sequence dim of each replica's rows
+    (context parallelism, docs/axes.md). ``ep`` (which adds no processes) is accepted with
+    size 1 only for now.
 
     Initialises the default process group from torchrun's environment variables when none
     exists: gloo on CPU; ``"cpu:gloo,cuda:nccl"`` when CUDA is present, on device
@@ -101,8 +103,11 @@ class Topology:
 
     ``dp_size``, ``dp_group`` and ``dp_mesh`` cover every data-parallel replica: the
     ``dp_replicate x dp`` processes that hold the same stages and take other rows (the
-    flattened sub-mesh when both axes exceed 1). ``hsdp_mesh`` is the 2-d ``(dp_replicate,
-    dp)`` sub-mesh that ``dp="hsdp"`` shards over, ``replicate_size`` its first size."""
+    flattened sub-mesh when both axes exceed 1), and the ``cp`` ranks with them (the group
+    reduces the loss and gradients; ``cp_size`` of its size is cp, which splits sequences,
+    not rows). ``hsdp_mesh`` is the 2-d ``(dp_replicate, dp)`` sub-mesh that ``dp="hsdp"``
+    shards over, ``replicate_size`` its first size. ``cp_mesh`` is the cp axis (None at
+    cp=1)."""
 
     pp_rank: int
     pp_size: int
@@ -119,13 +124,14 @@ class Topology:
     layout: Layout  # the processes of every pp rank (uniform mesh: one per pp rank)
     replicate_size: int = 1
     hsdp_mesh: DeviceMesh | None = None
+    cp_size: int = 1
+    cp_mesh: DeviceMesh | None = None
 
     @property
     def dp_index(self) -> int:
         """This process's replica: its row slice of the global batch (replicate-major)."""
-        return self.coords.get(REPLICATE, 0) * (self.dp_size // self.replicate_size) + (
-            self.coords.get("dp", 0)
-        )
+        per_replicate = self.dp_size // (self.replicate_size * self.cp_size)
+        return self.coords.get(REPLICATE, 0) * per_replicate + self.coords.get("dp", 0)
 
     @property
     def stage_meshes(self) -> bool:
@@ -177,6 +183,8 @@ class Topology:
             layout=Layout.uniform(pp_ranks, pp_rank),
             replicate_size=dps.replicate_size,
             hsdp_mesh=dps.hsdp,
+            cp_size=dps.cp_size,
+            cp_mesh=mesh[CP] if dps.cp_size > 1 else None,
         )
 
 
