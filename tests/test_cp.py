@@ -30,7 +30,7 @@ import meshpipe
 from meshpipe import checkpoint as ck
 from meshpipe.testing import run_on_ranks
 
-from parity import blocks, mse, refusal
+from parity import blocks, dp_batch, mse, refusal
 
 ATOL = 1e-5
 ROWS = 4
@@ -78,14 +78,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().clone()
 
 
-def _train(pipe: meshpipe.Pipeline, ref: nn.Module, batches: Any, loss_fn: Any) -> dict[str, Any]:
-    """3 AdamW steps with clipping on both; every process passes the whole rows."""
+def _train(
+    pipe: meshpipe.Pipeline, ref: nn.Module, batches: Any, loss_fn: Any, mesh: Any = None
+) -> dict[str, Any]:
+    """3 AdamW steps with clipping on both; every process passes its replica's rows (the
+    whole batch without a ``mesh`` to take them from), whole sequences."""
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0, "grad": 0.0}
     cp_bytes = []
     for x, y in batches:
-        loss = pipe.step(x, target=y)
+        rows = (lambda t: t) if mesh is None else (lambda t: dp_batch(t, mesh))
+        loss = pipe.step(rows(x), target=rows(y))
         cp_bytes.append(pipe.comm_stats().get("cp_bytes"))
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()
@@ -180,7 +184,7 @@ class Tiny(nn.Module):
         return self.head(h)
 
 
-def _custom_case(mesh: Any, dp: str | None) -> dict[str, Any]:
+def _custom_case(mesh: Any, dp: str | None, schedule: str = "1f1b", **kw: Any) -> dict[str, Any]:
     torch.manual_seed(3)
     net = Tiny()
     ref = copy.deepcopy(net)
@@ -188,15 +192,23 @@ def _custom_case(mesh: Any, dp: str | None) -> dict[str, Any]:
     # where AdamW turns rounding differences into steps of up to lr
     batches = [(x, torch.randn(*x.shape, 8, generator=torch.Generator().manual_seed(7)))
                for x, _ in _tokens(6)]  # fmt: skip
+    rows = mesh.size(mesh.mesh_dim_names.index("dp"))
+    points = ["layers.2"] if mesh.size(0) == 2 else None
     pipe = meshpipe.Pipeline(
-        net, mesh, "1f1b", 2, loss_fn=mse, dp=dp, split_points=["layers.2"],
-        example_args=(batches[0][0],),
+        net, mesh, schedule, 2, loss_fn=mse, dp=dp, split_points=points,
+        example_args=(batches[0][0][: ROWS // rows],), **kw,
     )  # fmt: skip
-    return _train(pipe, ref, batches, mse)
+    meshes = {
+        (p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape))
+        for p in pipe.parameters()
+        if hasattr(p, "device_mesh")
+    }
+    return {**_train(pipe, ref, batches, mse, mesh if rows > 1 else None), "meshes": meshes}
 
 
 def _errors(mesh: Any) -> dict[str, str]:
-    ids = torch.randint(0, VOCAB, (ROWS, 8))
+    ids = torch.randint(0, VOCAB, (ROWS, 16), generator=torch.Generator().manual_seed(2))
+    cp = mesh.get_local_rank("cp")
 
     def step(model: nn.Module, x: Any, y: Any, **kw: Any) -> Any:
         loss_fn = kw.pop("loss_fn", _ce)
@@ -216,6 +228,8 @@ def _errors(mesh: Any) -> dict[str, str]:
         "no_seq_dim": refusal(lambda: step(Tiny(), ids, ids[:, 0], split_points=["layers.2"])),
         "seq_dims": refusal(lambda: step(Tiny(), ids, ids, cp_seq_dims={"target": 0})),
         "padding": refusal(lambda: _padded(mesh, ids)),
+        "values": refusal(lambda: step(Tiny(), (ids + cp) % VOCAB, ids, split_points=["layers.2"])),
+        "shapes": refusal(lambda: step(Tiny(), ids[:, : 8 + 4 * cp], ids[:, : 8 + 4 * cp])),
     }
 
 
@@ -233,6 +247,12 @@ def _world4(root: str) -> dict[str, Any]:
     out["llama"] = _llama_case(mesh, root)
     for dp in (None, "ddp", "fsdp"):
         out[f"custom_{dp}"] = _custom_case(mesh, dp)
+    # the zero-bubble split of backward (I, W), with the forward replayed in backward
+    out["custom_zbh1"] = _custom_case(mesh, None, "zbh1", activation_checkpointing="full")
+    # rows over dp, sequences over cp: pp=1 x dp=2 x cp=2, FSDP2 over the 4 (dp x cp)
+    dp_cp = meshpipe.init_mesh(pp=1, dp=2, cp=2)
+    for dp in (None, "fsdp"):
+        out[f"dp_cp_{dp}"] = _custom_case(dp_cp, dp)
     out["errors"] = _errors(mesh)
     return out
 
@@ -294,6 +314,8 @@ def test_custom_attention_pp2_cp2_matches_one_process(
     for rank, res in enumerate(world4):
         r = res[f"custom_{dp}"]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["grad"] < ATOL, (rank, dp, r)
+        # fsdp shards over the cp group (the data-parallel group of a pp=2 x cp=2 mesh)
+        assert r["meshes"] == ({(("cp",), (2,))} if dp == "fsdp" else set()), r["meshes"]
         # one weight (layers.0.out.weight[6, 6]) has a first gradient of -1.8e-7 against a
         # mean of 1e-2: AdamW's first step, g / (|g| + 1e-8), turns the rounding of that
         # gradient (1e-8, the order of the sums) into a 2e-5 gap; every other weight is
@@ -301,19 +323,36 @@ def test_custom_attention_pp2_cp2_matches_one_process(
         assert r["param"] < 1e-4, (rank, dp, r)
 
 
+@pytest.mark.parametrize("case", ["zbh1", "dp_cp_None", "dp_cp_fsdp"])
+def test_zero_bubble_and_dp_by_cp_match_one_process(
+    world4: list[dict[str, Any]], case: str
+) -> None:
+    key = f"custom_{case}" if case == "zbh1" else case
+    for rank, res in enumerate(world4):
+        r = res[key]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["grad"] < ATOL, (rank, case, r)
+        assert r["param"] < 1e-4, (rank, case, r)  # see the test above
+        if case == "dp_cp_fsdp":  # sharded over dp x cp, flattened
+            assert r["meshes"] == {(("dp_cp",), (4,))}, r["meshes"]
+        if case.startswith("dp_cp"):  # two rows of each sequence chunk, 1 stage: 4 layers
+            assert r["cp_bytes"] == [4 * 2 * 1 * 2 * 2 * 2 * (n // 2) * 8 * 4 for n in LENGTHS]
+
+
 def test_bad_input_is_refused_on_every_process(world4: list[dict[str, Any]]) -> None:
     errors = world4[0]["errors"]
     assert all(r["errors"] == errors for r in world4)
     assert "length 6 is not divisible by 4" in errors["length"], errors["length"]
-    assert "no stage ran torch.nn.functional.scaled_dot_product_attention" in errors[
-        "no_attention"
-    ], errors["no_attention"]
+    assert (
+        "no stage ran torch.nn.functional.scaled_dot_product_attention" in errors["no_attention"]
+    ), errors["no_attention"]
     assert "attn_implementation='eager'" in errors["eager"], errors["eager"]
     assert "dp='hsdp' is not built" in errors["hsdp"], errors["hsdp"]
     assert "forward() with context parallelism (cp=2) is not built" in errors["forward"]
     assert "'target'" in errors["no_seq_dim"] and "shape [4]" in errors["no_seq_dim"]
     assert "cp_seq_dims['target'] = 0" in errors["seq_dims"], errors["seq_dims"]
     assert "attention_mask has zeros" in errors["padding"], errors["padding"]
+    assert "same rows, whole sequences, but their inputs' values differ" in errors["values"]
+    assert "inputs' shapes or structure differ" in errors["shapes"], errors["shapes"]
 
 
 def test_cp2_checkpoint_loads_in_one_process(world4: list[dict[str, Any]], root: Path) -> None:

@@ -133,7 +133,9 @@ class Pipeline:
         self._ledger: SavedLedger | None = None  # track_memory()
         plan = auto_tp_plan(model) if tp_plan == "auto" else tp_plan
         # cp > 1: inputs cut to this process's sequence chunks, attention over the cp group
-        self._cp = context_parallel(model, topo, cp_seq_dims, dp, self._compile is not None)
+        self._cp = context_parallel(
+            model, topo, cp_seq_dims, dp, self._compile is not None, float(timeout)
+        )
         self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap)  # type: ignore[arg-type]
         self.loss_fn, self._loss_use = loss_fn, target_use(loss_fn)  # see step()'s check
         self.chunk_spec = chunk_spec
@@ -455,7 +457,7 @@ class Pipeline:
         self, call: tuple[tuple[Any, ...], dict[str, Any], Any], gate: Callable[[], None]
     ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """cp > 1: this process's sequence chunks of the call (else the call itself)."""
-        return call if self._cp is None else self._cp.cut(call, gate)
+        return call if self._cp is None else self._cp.cut(call, gate, self.check_inputs)
 
     def _cp_scope(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if self._cp is None else self._cp.scope()

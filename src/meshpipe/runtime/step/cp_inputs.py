@@ -42,7 +42,7 @@ def check_seq_dims(seq_dims: object) -> dict[str | int, int | None]:
     for key, dim in seq_dims.items():
         if isinstance(key, bool) or not isinstance(key, (str, int)):
             raise PipelineError(
-                f"cp_seq_dims key {key!r}: name a keyword input, \"target\", or a position (int)"
+                f'cp_seq_dims key {key!r}: name a keyword input, "target", or a position (int)'
             )
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
             raise PipelineError(
