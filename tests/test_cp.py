@@ -8,7 +8,8 @@ One spawn of 4 processes, sequence lengths 8, 16, 8:
   there, loaded into the plain model in this process.
   pp=2 x cp=2, a custom model (its own sdpa calls, causal and full, learned positions from
   position_ids): parity with dp=None, "ddp", "fsdp" (sharded over the cp group), and zbh1
-  with the forward replayed in backward; pp=1 x dp=2 x cp=2 with None and "fsdp".
+  with the forward replayed in backward; every other schedule (two stages per rank where
+  it has them); pp=1 x dp=2 x cp=2 with None and "fsdp".
   GPT-2 (tied weights) on pp=2 x cp=2; Llama with tp_plan="auto" on pp=1 x cp=2 x tp=2.
   bad input refused on every process: a length not divisible by 2 x cp, a model without
   attention, a padding mask, eager attention, dp="hsdp", forward(), a tensor without a
@@ -37,6 +38,8 @@ from parity import blocks, dp_batch, mse, refusal
 ATOL = 1e-5
 ROWS = 4
 LENGTHS = (8, 16, 8)  # divisible by 2 x cp = 4
+SCHEDULES = ("gpipe", "interleaved_1f1b", "looped_bfs", "zbv", "dualpipev")  # + 1f1b, zbh1
+LOOPED = ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev")
 VOCAB = 64
 
 
@@ -186,7 +189,9 @@ class Tiny(nn.Module):
         return self.head(h)
 
 
-def _custom_case(mesh: Any, dp: str | None, schedule: str = "1f1b", **kw: Any) -> dict[str, Any]:
+def _custom_case(
+    mesh: Any, dp: str | None, schedule: str = "1f1b", num_microbatches: int = 2, **kw: Any
+) -> dict[str, Any]:
     torch.manual_seed(3)
     net = Tiny()
     ref = copy.deepcopy(net)
@@ -195,9 +200,9 @@ def _custom_case(mesh: Any, dp: str | None, schedule: str = "1f1b", **kw: Any) -
     batches = [(x, torch.randn(*x.shape, 8, generator=torch.Generator().manual_seed(7)))
                for x, _ in _tokens(6)]  # fmt: skip
     rows = mesh.size(mesh.mesh_dim_names.index("dp"))
-    points = ["layers.2"] if mesh.size(0) == 2 else None
+    points = ["layers.2"] if mesh.size(0) == 2 and "stages_per_rank" not in kw else None
     pipe = meshpipe.Pipeline(
-        net, mesh, schedule, 2, loss_fn=mse, dp=dp, split_points=points,
+        net, mesh, schedule, num_microbatches, loss_fn=mse, dp=dp, split_points=points,
         example_args=(batches[0][0][: ROWS // rows],), **kw,
     )  # fmt: skip
     meshes = {
@@ -251,6 +256,9 @@ def _world4(root: str) -> dict[str, Any]:
         out[f"custom_{dp}"] = _custom_case(mesh, dp)
     # the zero-bubble split of backward (I, W), with the forward replayed in backward
     out["custom_zbh1"] = _custom_case(mesh, None, "zbh1", activation_checkpointing="full")
+    for name in SCHEDULES:  # two stages per rank where the schedule has them
+        per_rank = {"stages_per_rank": 2} if name in LOOPED else {}
+        out[f"custom_schedule_{name}"] = _custom_case(mesh, None, name, 4, **per_rank)
     # rows over dp, sequences over cp: pp=1 x dp=2 x cp=2, FSDP2 over the 4 (dp x cp)
     dp_cp = meshpipe.init_mesh(pp=1, dp=2, cp=2)
     for dp in (None, "fsdp"):
@@ -361,6 +369,14 @@ def test_zero_bubble_and_dp_by_cp_match_one_process(
             assert r["meshes"] == {(("dp_cp",), (4,))}, r["meshes"]
         if case.startswith("dp_cp"):  # two rows of each sequence chunk, 1 stage: 4 layers
             assert r["cp_bytes"] == [4 * 2 * 1 * 2 * 2 * 2 * (n // 2) * 8 * 4 for n in LENGTHS]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_matches_one_process(world4: list[dict[str, Any]], name: str) -> None:
+    for rank, res in enumerate(world4):
+        r = res[f"custom_schedule_{name}"]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["grad"] < ATOL, (rank, name, r)
+        assert r["param"] < 1e-4, (rank, name, r)  # see the custom model's test
 
 
 @pytest.mark.parametrize("case", ["gpt2", "llama_tp"])
