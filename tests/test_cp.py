@@ -13,7 +13,8 @@ One spawn of 4 processes, sequence lengths 8, 16, 8:
   GPT-2 (tied weights) on pp=2 x cp=2; Llama with tp_plan="auto" on pp=1 x cp=2 x tp=2.
   bad input refused on every process: a length not divisible by 2 x cp, a model without
   attention, a padding mask, eager attention, dp="hsdp", forward(), a tensor without a
-  sequence dim, cp_seq_dims of the wrong kind, cp ranks given different values or shapes.
+  sequence dim, cp_seq_dims of the wrong kind, cp ranks given different values or shapes,
+  a sliding window (Mistral), a model that changes the sequence length.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from meshpipe import checkpoint as ck
 from meshpipe.testing import run_on_ranks
 
 from parity import blocks, dp_batch, mse, refusal
+
+pytestmark = pytest.mark.timeout(700)  # one spawn of 4 processes, run_on_ranks waits 600 s
 
 ATOL = 1e-5
 ROWS = 4
@@ -235,9 +238,47 @@ def _errors(mesh: Any) -> dict[str, str]:
         "no_seq_dim": refusal(lambda: step(Tiny(), ids, ids[:, 0], split_points=["layers.2"])),
         "seq_dims": refusal(lambda: step(Tiny(), ids, ids, cp_seq_dims={"target": 0})),
         "padding": refusal(lambda: _padded(mesh, ids)),
+        "sliding": refusal(lambda: step(_mistral(), ids, ids)),
         "values": refusal(lambda: step(Tiny(), (ids + cp) % VOCAB, ids, split_points=["layers.2"])),
         "shapes": refusal(lambda: step(Tiny(), ids[:, : 8 + 4 * cp], ids[:, : 8 + 4 * cp])),
     }
+
+
+def _mistral() -> nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, sliding_window=4, use_cache=False,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return MistralForCausalLM(cfg)
+
+
+class Prepend(Tiny):
+    """A model that prepends two learned tokens: attention over S/cp + 2 tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.zeros(1, 2, 16))
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.emb(ids)
+        h = torch.cat((self.first.expand(h.shape[0], 2, -1), h), dim=1)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h[:, 2:]).sum(-1)
+
+
+def _length_change(mesh: Any) -> str:
+    """The error of a step whose model changes the sequence length: raised by the stage
+    that attends (pp rank 0), reported by the others (a failed step, not a refusal)."""
+    pipe = meshpipe.Pipeline(Prepend(), mesh, "1f1b", 2, loss_fn=mse, split_points=["layers.2"])
+    try:
+        pipe.step(torch.zeros(ROWS, 16, dtype=torch.long), target=torch.zeros(ROWS, 16))
+    except meshpipe.MeshpipeError as e:
+        return str(e)
+    return "accepted"
 
 
 def _padded(mesh: Any, ids: torch.Tensor) -> Any:
@@ -265,6 +306,7 @@ def _world4(root: str) -> dict[str, Any]:
         out[f"dp_cp_{dp}"] = _custom_case(dp_cp, dp)
     out["more"] = _more(mesh, dp_cp)
     out["errors"] = _errors(mesh)
+    out["length_change"] = _length_change(mesh)  # last: a failed step
     return out
 
 
@@ -404,6 +446,12 @@ def test_bad_input_is_refused_on_every_process(world4: list[dict[str, Any]]) -> 
     assert "cp_seq_dims['target'] = 0" in errors["seq_dims"], errors["seq_dims"]
     assert "attention_mask has zeros" in errors["padding"], errors["padding"]
     assert "same rows, whole sequences, but their inputs' values differ" in errors["values"]
+    assert "MistralAttention has sliding_window=4" in errors["sliding"], errors["sliding"]
+    for r in world4:
+        assert (
+            "attention over 10 tokens, but this process's chunks of the inputs have [8]"
+            in (r["length_change"])
+        ), r["length_change"]
     assert "inputs' shapes or structure differ" in errors["shapes"], errors["shapes"]
 
 

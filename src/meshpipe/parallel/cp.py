@@ -65,8 +65,9 @@ def hf_attention_modules(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def _drop_mask(module: nn.Module) -> RemovableHandle:
-    """A pre-hook that hands ``module`` no attention mask (the local one is wrong over cp)."""
+def _drop_mask(module: nn.Module, size: int) -> RemovableHandle:
+    """A pre-hook that hands ``module`` no attention mask (the local one is wrong over cp).
+    A mask that is not boolean may carry a bias (ALiBi, relative positions): refused."""
     names = list(inspect.signature(module.forward).parameters)
     at = names.index("attention_mask") if "attention_mask" in names else None
 
@@ -74,12 +75,48 @@ def _drop_mask(module: nn.Module) -> RemovableHandle:
         _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if "attention_mask" in kwargs:
-            kwargs = {**kwargs, "attention_mask": None}
+            mask, kwargs = kwargs["attention_mask"], {**kwargs, "attention_mask": None}
         elif at is not None and len(args) > at:
-            args = (*args[:at], None, *args[at + 1 :])
+            mask, args = args[at], (*args[:at], None, *args[at + 1 :])
+        else:
+            mask = None
+        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+            raise PipelineError(
+                f"context parallelism (cp={size}): {type(module).__name__} got an attention "
+                f"mask of dtype {mask.dtype}, which may carry a bias (ALiBi, relative "
+                "positions) that cp attention cannot rebuild over the whole sequence"
+            )
         return args, kwargs
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _check_hf(module: nn.Module, size: int) -> None:
+    """Refuse a Hugging Face attention module whose mask holds more than causality: a
+    sliding window, chunked attention, ALiBi, or an implementation other than sdpa."""
+    config = module.config
+    where = f"context parallelism (cp={size})"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != "sdpa":
+        raise PipelineError(
+            f"{where} runs attention through scaled_dot_product_attention, but "
+            f"{type(module).__name__} uses attn_implementation={impl!r}; load the model with "
+            "attn_implementation='sdpa'"
+        )
+    window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
+    chunk = getattr(config, "attention_chunk_size", None)
+    if window is not None or chunk is not None or getattr(config, "alibi", False):
+        what = (
+            f"sliding_window={window}"
+            if window is not None
+            else f"attention_chunk_size={chunk}"
+            if chunk is not None
+            else "alibi=True"
+        )
+        raise PipelineError(
+            f"{where} attends causally or fully over whole sequences, but "
+            f"{type(module).__name__} has {what}: its mask is not built for cp"
+        )
 
 
 class _SdpaMode(TorchFunctionMode):
@@ -117,17 +154,11 @@ class CpAttention:
         self.calls = 0
         self.bytes_sent = 0
         self.checked = False  # whether the first call's count was checked (Pipeline)
-        self._handles: list[RemovableHandle] = []
-        for m in hf_attention_modules(model):
-            impl = getattr(m.config, "_attn_implementation", None)
-            if impl != "sdpa":
-                raise PipelineError(
-                    f"context parallelism (cp={self.size}) runs attention through "
-                    f"scaled_dot_product_attention, but {type(m).__name__} uses "
-                    f"attn_implementation={impl!r}; load the model with "
-                    "attn_implementation='sdpa'"
-                )
-            self._handles.append(_drop_mask(m))
+        self.lengths: set[int] = set()  # the local lengths of the running call's inputs
+        modules = hf_attention_modules(model)
+        for m in modules:
+            _check_hf(m, self.size)
+        self._handles = [_drop_mask(m, self.size) for m in modules]
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -161,6 +192,13 @@ class CpAttention:
             raise PipelineError(
                 f"context parallelism needs self-attention over this process's two sequence "
                 f"chunks: queries of length {length}, keys of length {key.shape[-2]}"
+            )
+        if self.lengths and length not in self.lengths:
+            raise PipelineError(
+                f"context parallelism (cp={self.size}): attention over {length} tokens, but "
+                f"this process's chunks of the inputs have {sorted(self.lengths)}; a model "
+                "that changes the sequence length (a prepended token, pooling) cannot be "
+                "placed on global positions"
             )
         self.calls += 1
         keys = _gather(key, self.group)  # (.., cp * L, d), rank by rank

@@ -46,7 +46,9 @@ class ContextParallel:
         try:
             if check != "off":
                 self._agree(call, values=check != "shapes")
-            return self.inputs.cut(*call)
+            cut = self.inputs.cut(*call)
+            self.attention.lengths = set(self.inputs.last_lengths)
+            return cut
         except Exception:
             gate()
             raise
