@@ -3,13 +3,13 @@ load-balanced chunks, attention runs over the cp group, against one process afte
 steps with clipping.
 
 One spawn of 4 processes, sequence lengths 8, 16, 8:
-  pp=2 x cp=2, HF Llama (sdpa, causal): parity; what each process saw (its chunk of the
-  token ids, its local length); the cp bytes against the formula; a checkpoint saved
-  there, loaded into the plain model in this process.
+  pp=2 x cp=2, HF Llama (sdpa, causal): parity (and eval_step); what each process saw (its
+  chunk of the token ids, its local length); the cp bytes against the formula; a
+  checkpoint saved there, loaded into the plain model in this process.
   pp=2 x cp=2, a custom model (its own sdpa calls, causal and full, learned positions from
-  position_ids): parity with dp=None, "ddp", "fsdp" (sharded over the cp group), and zbh1
-  with the forward replayed in backward; every other schedule (two stages per rank where
-  it has them); pp=1 x dp=2 x cp=2 with None and "fsdp".
+  position_ids): parity with dp=None, "ddp", "fsdp" (sharded over the cp group); zbh1
+  with the forward replayed in backward; fsdp with torch.utils.checkpoint; every other
+  schedule (two stages per rank where it has them); pp=1 x dp=2 x cp=2, None and "fsdp".
   GPT-2 (tied weights) on pp=2 x cp=2; Llama with tp_plan="auto" on pp=1 x cp=2 x tp=2.
   bad input refused on every process: a length not divisible by 2 x cp, a model without
   attention, a padding mask, eager attention, dp="hsdp", forward(), a tensor without a
@@ -148,6 +148,9 @@ def _llama_case(mesh: Any, root: str) -> dict[str, Any]:
         example_args=(batches[0][0],),
     )  # fmt: skip
     out = _train(pipe, ref, batches, _ce)
+    x, y = batches[1]
+    with torch.no_grad():
+        out["eval"] = abs(float(pipe.eval_step(x, target=y)) - _ce(ref(x), y).item())
     out["ids"] = seen["ids"]
     out["lengths"] = sorted(set(seen["lengths"]))
     out["layers"] = sum(1 for n, _ in pipe.named_parameters() if n.endswith("q_proj.weight"))
@@ -297,6 +300,8 @@ def _world4(root: str) -> dict[str, Any]:
         out[f"custom_{dp}"] = _custom_case(mesh, dp)
     # the zero-bubble split of backward (I, W), with the forward replayed in backward
     out["custom_zbh1"] = _custom_case(mesh, None, "zbh1", activation_checkpointing="full")
+    # torch.utils.checkpoint (FSDP2 stages): attention gathered again inside backward
+    out["custom_ckpt"] = _custom_case(mesh, "fsdp", activation_checkpointing="full")
     for name in SCHEDULES:  # two stages per rank where the schedule has them
         per_rank = {"stages_per_rank": 2} if name in LOOPED else {}
         out[f"custom_schedule_{name}"] = _custom_case(mesh, None, name, 4, **per_rank)
@@ -356,7 +361,7 @@ def test_llama_pp2_cp2_matches_one_process(world4: list[dict[str, Any]]) -> None
     for rank, res in enumerate(world4):
         r = res["llama"]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, r)
-        assert r["grad"] < ATOL, (rank, r)
+        assert r["grad"] < ATOL and r["eval"] < ATOL, (rank, r)
 
 
 def test_each_process_computed_only_its_chunk(world4: list[dict[str, Any]]) -> None:
@@ -398,11 +403,11 @@ def test_custom_attention_pp2_cp2_matches_one_process(
         assert r["param"] < 1e-4, (rank, dp, r)
 
 
-@pytest.mark.parametrize("case", ["zbh1", "dp_cp_None", "dp_cp_fsdp"])
-def test_zero_bubble_and_dp_by_cp_match_one_process(
+@pytest.mark.parametrize("case", ["zbh1", "ckpt", "dp_cp_None", "dp_cp_fsdp"])
+def test_zero_bubble_checkpointing_and_dp_by_cp_match_one_process(
     world4: list[dict[str, Any]], case: str
 ) -> None:
-    key = f"custom_{case}" if case == "zbh1" else case
+    key = f"custom_{case}" if case in ("zbh1", "ckpt") else case
     for rank, res in enumerate(world4):
         r = res[key]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["grad"] < ATOL, (rank, case, r)
