@@ -65,15 +65,18 @@ def hf_attention_modules(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def _drop_mask(module: nn.Module, size: int) -> RemovableHandle:
-    """A pre-hook that hands ``module`` no attention mask (the local one is wrong over cp).
-    A mask that is not boolean may carry a bias (ALiBi, relative positions): refused."""
+def _drop_mask(module: nn.Module, cp: CpAttention) -> RemovableHandle:
+    """A pre-hook that hands ``module`` no attention mask while ``cp`` routes attention
+    (the local one is wrong over cp); a mask that is not boolean may carry a bias (ALiBi,
+    relative positions): refused. Outside a cp call the module runs as it is."""
     names = list(inspect.signature(module.forward).parameters)
     at = names.index("attention_mask") if "attention_mask" in names else None
 
     def hook(
         _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not cp.active:
+            return None
         if "attention_mask" in kwargs:
             mask, kwargs = kwargs["attention_mask"], {**kwargs, "attention_mask": None}
         elif at is not None and len(args) > at:
@@ -82,7 +85,7 @@ def _drop_mask(module: nn.Module, size: int) -> RemovableHandle:
             mask = None
         if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             raise PipelineError(
-                f"context parallelism (cp={size}): {type(module).__name__} got an attention "
+                f"context parallelism (cp={cp.size}): {type(module).__name__} got an attention "
                 f"mask of dtype {mask.dtype}, which may carry a bias (ALiBi, relative "
                 "positions) that cp attention cannot rebuild over the whole sequence"
             )
@@ -158,14 +161,19 @@ class CpAttention:
         modules = hf_attention_modules(model)
         for m in modules:
             _check_hf(m, self.size)
-        self._handles = [_drop_mask(m, self.size) for m in modules]
+        self.active = False  # whether a call is running (its attention routed here)
+        self._handles = [_drop_mask(m, self) for m in modules]
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         """Route attention here while a call runs (its byte count starts at 0)."""
         self.bytes_sent = 0
-        with _SdpaMode(self):
-            yield
+        self.active = True
+        try:
+            with _SdpaMode(self):
+                yield
+        finally:
+            self.active = False
 
     def attend(
         self,
