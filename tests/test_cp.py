@@ -14,7 +14,8 @@ One spawn of 4 processes, sequence lengths 8, 16, 8:
   bad input refused on every process: a length not divisible by 2 x cp, a model without
   attention, a padding mask, eager attention, dp="hsdp", forward(), a tensor without a
   sequence dim, cp_seq_dims of the wrong kind, cp ranks given different values or shapes,
-  a sliding window (Mistral), a model that changes the sequence length.
+  a sliding window (Mistral), labels= to a Hugging Face model, a model that changes the
+  sequence length.
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ def _errors(mesh: Any) -> dict[str, str]:
         "seq_dims": refusal(lambda: step(Tiny(), ids, ids, cp_seq_dims={"target": 0})),
         "padding": refusal(lambda: _padded(mesh, ids)),
         "sliding": refusal(lambda: step(_mistral(), ids, ids)),
+        "labels": refusal(lambda: _labels(mesh, ids)),
         "values": refusal(lambda: step(Tiny(), (ids + cp) % VOCAB, ids, split_points=["layers.2"])),
         "shapes": refusal(lambda: step(Tiny(), ids[:, : 8 + 4 * cp], ids[:, : 8 + 4 * cp])),
     }
@@ -282,6 +284,11 @@ def _length_change(mesh: Any) -> str:
     except meshpipe.MeshpipeError as e:
         return str(e)
     return "accepted"
+
+
+def _labels(mesh: Any, ids: torch.Tensor) -> Any:
+    pipe = meshpipe.Pipeline(_llama(), mesh, "1f1b", 2, loss_fn=lambda out: out.loss)
+    return pipe.step(ids, labels=ids)
 
 
 def _padded(mesh: Any, ids: torch.Tensor) -> Any:
@@ -452,6 +459,7 @@ def test_bad_input_is_refused_on_every_process(world4: list[dict[str, Any]]) -> 
     assert "attention_mask has zeros" in errors["padding"], errors["padding"]
     assert "same rows, whole sequences, but their inputs' values differ" in errors["values"]
     assert "MistralAttention has sliding_window=4" in errors["sliding"], errors["sliding"]
+    assert "a Hugging Face model's own loss (labels=)" in errors["labels"], errors["labels"]
     for r in world4:
         assert (
             "attention over 10 tokens, but this process's chunks of the inputs have [8]"

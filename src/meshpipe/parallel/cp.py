@@ -163,6 +163,7 @@ class CpAttention:
             _check_hf(m, self.size)
         self.active = False  # whether a call is running (its attention routed here)
         self._handles = [_drop_mask(m, self) for m in modules]
+        self.hf = bool(modules)  # a Hugging Face model
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -277,7 +278,7 @@ class _Gather(torch.autograd.Function):
         size = dist.get_world_size(group)
         grad = grad.contiguous()
         mine = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        if dist.get_backend(group) == dist.Backend.NCCL:
+        if grad.is_cuda:  # NCCL
             dist.reduce_scatter_single(mine, grad, group=group)
             return mine, None
         parts = torch.empty_like(grad)

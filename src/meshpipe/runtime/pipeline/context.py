@@ -122,7 +122,7 @@ def context_parallel(
         raise PipelineError(f"Pipeline got a model of type {type(model).__name__}")
     attention = CpAttention(topo.cp_mesh, modules)
     rank = topo.cp_mesh.get_local_rank()
-    inputs = CpInputs(rank, topo.cp_size, dims, takes_positions(modules))
+    inputs = CpInputs(rank, topo.cp_size, dims, takes_positions(modules), attention.hf)
     return ContextParallel(attention, inputs, topo.device, timeout)
 
 

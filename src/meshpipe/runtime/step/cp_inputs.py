@@ -66,11 +66,14 @@ def takes_positions(model: nn.Module | list[nn.Module]) -> bool:
 class CpInputs:
     """Cuts a call's inputs to cp rank ``rank`` of ``size``'s chunks."""
 
-    def __init__(self, rank: int, size: int, seq_dims: SeqDims, add_positions: bool) -> None:
+    def __init__(
+        self, rank: int, size: int, seq_dims: SeqDims, add_positions: bool, hf: bool = False
+    ) -> None:
         self.rank = rank
         self.size = size
         self.seq_dims = dict(seq_dims)
         self.add_positions = add_positions
+        self.hf = hf  # a Hugging Face model: its own loss from labels= is refused
         self.last_lengths: list[int] = []  # the local lengths of the last call's cut tensors
 
     def cut(
@@ -79,6 +82,13 @@ class CpInputs:
         """This process's chunks of ``(args, kwargs, target)`` (same structure)."""
         self.last_lengths = []
         _check_mask(kwargs.get("attention_mask"), self.size)
+        if self.hf and kwargs.get("labels") is not None:
+            raise PipelineError(
+                f"context parallelism (cp={self.size}): a Hugging Face model's own loss "
+                "(labels=) shifts the labels within each process's chunks, where a token's "
+                "next one may be on another cp rank; compute the loss in loss_fn from a "
+                "target shifted over the whole sequence (target=ids[:, 1:] padded)"
+            )
         if self.add_positions and POSITIONS not in kwargs:
             kwargs = {**kwargs, POSITIONS: self._positions(args, kwargs)}
         new_args = tuple(self._cut_input(i, a) for i, a in enumerate(args))
