@@ -5,7 +5,8 @@ steps with clipping.
 One spawn of 4 processes, sequence lengths 8, 16, 8:
   pp=2 x cp=2, HF Llama (sdpa, causal): parity (and eval_step); what each process saw (its
   chunk of the token ids, its local length); the cp bytes against the formula; a
-  checkpoint saved there, loaded into the plain model in this process.
+  checkpoint saved there, loaded on pp=2 x dp=2 (fsdp, cp=1) and into the plain model in
+  this process; the trace names each process's cp coordinate.
   pp=2 x cp=2, a custom model (its own sdpa calls, causal and full, learned positions from
   position_ids): parity with dp=None, "ddp", "fsdp" (sharded over the cp group); zbh1
   with the forward replayed in backward; fsdp with torch.utils.checkpoint; every other
@@ -157,6 +158,15 @@ def _llama_case(mesh: Any, root: str) -> dict[str, Any]:
     out["layers"] = sum(1 for n, _ in pipe.named_parameters() if n.endswith("q_proj.weight"))
     ck.save(pipe, os.path.join(root, "llama_cp2"))
     out["state"] = {n: _full(p) for n, p in pipe.named_parameters()}
+    pipe.save_trace(os.path.join(root, "cp_trace.json"))
+    # the cp=2 checkpoint into the same model on pp=2 x dp=2 (cp=1)
+    pp_dp = meshpipe.init_mesh(pp=2, dp=2)
+    other = meshpipe.Pipeline(
+        _llama(), pp_dp, "1f1b", 2, loss_fn=_ce, split_points=["model.layers.2"],
+        example_args=(batches[0][0],), dp="fsdp",
+    )  # fmt: skip
+    ck.load(other, os.path.join(root, "llama_cp2"))
+    out["loaded"] = {n: _full(p) for n, p in other.named_parameters()}
     return out
 
 
@@ -466,6 +476,22 @@ def test_bad_input_is_refused_on_every_process(world4: list[dict[str, Any]]) -> 
             in (r["length_change"])
         ), r["length_change"]
     assert "inputs' shapes or structure differ" in errors["shapes"], errors["shapes"]
+
+
+def test_cp2_checkpoint_loads_on_pp2_dp2_fsdp(world4: list[dict[str, Any]]) -> None:
+    saved: dict[str, torch.Tensor] = {}
+    for r in world4:
+        saved.update(r["llama"]["state"])
+    for r in world4:
+        loaded = r["llama"]["loaded"]
+        assert loaded and all(torch.equal(t, saved[n]) for n, t in loaded.items())
+
+
+def test_trace_names_each_process_cp_coordinate(world4: list[dict[str, Any]], root: Path) -> None:
+    text = (root / "cp_trace.json").read_text()
+    for rank in range(4):
+        where = f"process {rank} (pp {rank // 2}, dp 0, cp {rank % 2}, tp 0)"
+        assert where in text, where
 
 
 def test_cp2_checkpoint_loads_in_one_process(world4: list[dict[str, Any]], root: Path) -> None:
