@@ -10,10 +10,11 @@ One spawn of 4 processes, sequence lengths 8, 16, 8:
   pp=2 x cp=2, a custom model (its own sdpa calls, causal and full, learned positions from
   position_ids): parity with dp=None, "ddp", "fsdp" (sharded over the cp group); zbh1
   with the forward replayed in backward; fsdp with torch.utils.checkpoint; every other
-  schedule (two stages per rank where it has them); pp=1 x dp=2 x cp=2, None and "fsdp".
+  schedule (two stages per rank where it has them); pp=1 x dp=2 x cp=2, None and "fsdp";
+  pp=1 x dp_replicate=2 x cp=2 with "hsdp".
   GPT-2 (tied weights) on pp=2 x cp=2; Llama with tp_plan="auto" on pp=1 x cp=2 x tp=2.
   bad input refused on every process: a length not divisible by 2 x cp, a model without
-  attention, a padding mask, eager attention, dp="hsdp", forward(), a tensor without a
+  attention, a padding mask, eager attention, forward(), a tensor without a
   sequence dim, cp_seq_dims of the wrong kind, cp ranks given different values or shapes,
   a sliding window (Mistral), labels= to a Hugging Face model, a model that changes the
   sequence length.
@@ -216,7 +217,8 @@ def _custom_case(
     # where AdamW turns rounding differences into steps of up to lr
     batches = [(x, torch.randn(*x.shape, 8, generator=torch.Generator().manual_seed(7)))
                for x, _ in _tokens(6)]  # fmt: skip
-    rows = mesh.size(mesh.mesh_dim_names.index("dp"))
+    names = mesh.mesh_dim_names
+    rows = mesh.size(names.index("dp")) * mesh.size(names.index("dp_replicate"))
     points = ["layers.2"] if mesh.size(0) == 2 and "stages_per_rank" not in kw else None
     pipe = meshpipe.Pipeline(
         net, mesh, schedule, num_microbatches, loss_fn=mse, dp=dp, split_points=points,
@@ -245,7 +247,6 @@ def _errors(mesh: Any) -> dict[str, str]:
         "length": refusal(lambda: step(Tiny(), ids[:, :6], ids[:, :6], split_points=["layers.2"])),
         "no_attention": refusal(lambda: step(blocks(4), x8, x8, loss_fn=mse)),
         "eager": refusal(lambda: step(_llama("eager"), ids, ids)),
-        "hsdp": refusal(lambda: step(Tiny(), ids, ids, dp="hsdp")),
         "forward": refusal(
             lambda: meshpipe.Pipeline(tiny, mesh, "1f1b", 2, split_points=["layers.2"])(ids)
         ),
@@ -326,6 +327,8 @@ def _world4(root: str) -> dict[str, Any]:
     dp_cp = meshpipe.init_mesh(pp=1, dp=2, cp=2)
     for dp in (None, "fsdp"):
         out[f"dp_cp_{dp}"] = _custom_case(dp_cp, dp)
+    # hsdp: sharded within cp, replicated across dp_replicate (pp=1 x dp_replicate=2 x cp=2)
+    out["hsdp_cp"] = _custom_case(meshpipe.init_mesh(pp=1, dp_replicate=2, cp=2), "hsdp")
     out["more"] = _more(mesh, dp_cp)
     out["errors"] = _errors(mesh)
     out["length_change"] = _length_change(mesh)  # last: a failed step
@@ -420,7 +423,7 @@ def test_custom_attention_pp2_cp2_matches_one_process(
         assert r["param"] < 1e-4, (rank, dp, r)
 
 
-@pytest.mark.parametrize("case", ["zbh1", "ckpt", "dp_cp_None", "dp_cp_fsdp"])
+@pytest.mark.parametrize("case", ["zbh1", "ckpt", "dp_cp_None", "dp_cp_fsdp", "hsdp_cp"])
 def test_zero_bubble_checkpointing_and_dp_by_cp_match_one_process(
     world4: list[dict[str, Any]], case: str
 ) -> None:
@@ -431,7 +434,9 @@ def test_zero_bubble_checkpointing_and_dp_by_cp_match_one_process(
         assert r["param"] < 1e-4, (rank, case, r)  # see the test above
         if case == "dp_cp_fsdp":  # sharded over dp x cp, flattened
             assert r["meshes"] == {(("dp_cp",), (4,))}, r["meshes"]
-        if case.startswith("dp_cp"):  # two rows of each sequence chunk, 1 stage: 4 layers
+        if case == "hsdp_cp":  # replicated across dp_replicate, sharded over cp
+            assert r["meshes"] == {(("dp_replicate", "cp"), (2, 2))}, r["meshes"]
+        if case != "zbh1" and case != "ckpt":  # two rows of each chunk, 1 stage: 4 layers
             assert r["cp_bytes"] == [4 * 2 * 1 * 2 * 2 * 2 * (n // 2) * 8 * 4 for n in LENGTHS]
 
 
@@ -462,7 +467,6 @@ def test_bad_input_is_refused_on_every_process(world4: list[dict[str, Any]]) -> 
         "no stage ran torch.nn.functional.scaled_dot_product_attention" in errors["no_attention"]
     ), errors["no_attention"]
     assert "attn_implementation='eager'" in errors["eager"], errors["eager"]
-    assert "dp='hsdp' is not built" in errors["hsdp"], errors["hsdp"]
     assert "forward() with context parallelism (cp=2) is not built" in errors["forward"]
     assert "'target'" in errors["no_seq_dim"] and "shape [4]" in errors["no_seq_dim"]
     assert "cp_seq_dims['target'] = 0" in errors["seq_dims"], errors["seq_dims"]

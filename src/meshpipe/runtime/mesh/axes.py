@@ -11,7 +11,8 @@ replicated across ``dp_replicate``).
 ``cp`` splits the sequence dim instead of the rows (runtime/step/cp_inputs.py), but reduces
 like a replica: the loss and the gradients run over the flattened ``(dp_replicate, dp, cp)``
 group (each axis of it above 1), so ``DpGroups.size`` counts cp too and ``cp_size`` says how
-much of it is cp. ``ep`` is accepted with size 1 only.
+much of it is cp; ``dp="hsdp"`` shards within the flattened ``(dp, cp)`` and replicates
+across ``dp_replicate``. ``ep`` is accepted with size 1 only.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def dp_groups(mesh: DeviceMesh, dp_axis: str) -> DpGroups:
     flat: DeviceMesh | None
     if cp > 1:
         flat = _flat_with_cp(mesh, [a for a in (REPLICATE, dp_axis) if sizes.get(a, 1) > 1])
+        if REPLICATE in names:  # hsdp shards within dp x cp, replicates across dp_replicate
+            shard = _flat_with_cp(mesh, [dp_axis] if dp > 1 else [])
+            hsdp = mesh[REPLICATE, shard.mesh_dim_names[0]]  # type: ignore[index]
     elif rep > 1 and dp > 1 and hsdp is not None:
         flat = flatten_dp(mesh, dp_axis)
     elif rep > 1:

@@ -97,7 +97,6 @@ def context_parallel(
     model: nn.Module | Sequence[nn.Module],
     topo: Topology,
     seq_dims: object,
-    dp: str | None,
     compiled: bool,
     timeout: float,
 ) -> ContextParallel | None:
@@ -106,12 +105,6 @@ def context_parallel(
     if topo.cp_size == 1 or topo.cp_mesh is None:
         return None
     where = f"context parallelism (cp={topo.cp_size})"
-    if dp == "hsdp":
-        raise PipelineError(
-            f"{where} with dp='hsdp' is not built (FSDP2 would have to shard over dp x cp "
-            "within a replica); pass dp='fsdp' (sharded over dp_replicate x dp x cp), "
-            "'ddp' or None"
-        )
     if compiled:
         raise PipelineError(
             f"{where} with compile= is not built (attention is routed by a torch function "

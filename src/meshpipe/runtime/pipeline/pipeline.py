@@ -134,7 +134,7 @@ class Pipeline:
         plan = auto_tp_plan(model) if tp_plan == "auto" else tp_plan
         # cp > 1: inputs cut to this process's sequence chunks, attention over the cp group
         self._cp = context_parallel(
-            model, topo, cp_seq_dims, dp, self._compile is not None, float(timeout)
+            model, topo, cp_seq_dims, self._compile is not None, float(timeout)
         )
         self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap)  # type: ignore[arg-type]
         self.loss_fn, self._loss_use = loss_fn, target_use(loss_fn)  # see step()'s check
