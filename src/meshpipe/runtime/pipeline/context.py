@@ -56,8 +56,8 @@ class ContextParallel:
     def _agree(self, call: Call, values: bool) -> None:
         """Every cp rank of this replica was given the same rows, whole sequences: the
         structure, shapes and dtypes of the call (a digest) and, with ``values``, their
-        values (a fingerprint) gathered over the cp group (collective, CPU; on CUDA the
-        fingerprint is read on the host)."""
+        values (a fingerprint), gathered over the cp group on the device and compared on
+        the host (collective; on CUDA a host read per call)."""
         texts: list[str] = []
         leaves: list[torch.Tensor] = []
         for what, value in zip(("args", "kwargs", "target"), call, strict=True):
@@ -67,11 +67,13 @@ class ContextParallel:
             leaves += tensors
         digest = hashlib.sha256("\n".join(texts).encode()).digest()[:8]
         head = torch.tensor([int.from_bytes(digest, "little", signed=True)])
-        fp = fingerprint(leaves, self.device).cpu() if values else torch.zeros(0)
-        mine = torch.cat((head, fp.to(torch.int64)))
-        every = [torch.empty_like(mine) for _ in range(self.attention.size)]
-        work = dist.all_gather(every, mine, group=self.attention.group, async_op=True)
+        fp = fingerprint(leaves, self.device).cpu() if values else torch.zeros(0, dtype=torch.int64)
+        # on the device (a cp group may be NCCL alone), compared on the host
+        mine = torch.cat((head, fp.to(torch.int64))).to(self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.attention.size)]
+        work = dist.all_gather(gathered, mine, group=self.attention.group, async_op=True)
         wait_work(work, self.timeout, "the cp ranks' agreement on the call's inputs")
+        every = [t.cpu() for t in gathered]
         if any(not torch.equal(t, every[0]) for t in every):
             which = "shapes or structure" if any(t[0] != every[0][0] for t in every) else "values"
             raise PipelineError(
