@@ -11,7 +11,8 @@ One spawn of 4 processes, sequence lengths 8, 16, 8:
   position_ids): parity with dp=None, "ddp", "fsdp" (sharded over the cp group); zbh1
   with the forward replayed in backward; fsdp with torch.utils.checkpoint; every other
   schedule (two stages per rank where it has them); pp=1 x dp=2 x cp=2, None and "fsdp";
-  pp=1 x dp_replicate=2 x cp=2 with "hsdp".
+  pp=1 x dp_replicate=2 x cp=2 with "hsdp"; stage meshes [{"cp": 2}, {"cp": 2}] with
+  "ddp" and "fsdp".
   GPT-2 (tied weights) on pp=2 x cp=2; Llama with tp_plan="auto" on pp=1 x cp=2 x tp=2.
   bad input refused on every process: a length not divisible by 2 x cp, a model without
   attention, a padding mask, eager attention, forward(), a tensor without a
@@ -217,9 +218,12 @@ def _custom_case(
     # where AdamW turns rounding differences into steps of up to lr
     batches = [(x, torch.randn(*x.shape, 8, generator=torch.Generator().manual_seed(7)))
                for x, _ in _tokens(6)]  # fmt: skip
-    names = mesh.mesh_dim_names
-    rows = mesh.size(names.index("dp")) * mesh.size(names.index("dp_replicate"))
-    points = ["layers.2"] if mesh.size(0) == 2 and "stages_per_rank" not in kw else None
+    if isinstance(mesh, list):  # stage meshes: every process passes the whole batch
+        rows, points = 1, ["layers.2"]
+    else:
+        names = mesh.mesh_dim_names
+        rows = mesh.size(names.index("dp")) * mesh.size(names.index("dp_replicate"))
+        points = ["layers.2"] if mesh.size(0) == 2 and "stages_per_rank" not in kw else None
     pipe = meshpipe.Pipeline(
         net, mesh, schedule, num_microbatches, loss_fn=mse, dp=dp, split_points=points,
         example_args=(batches[0][0][: ROWS // rows],), **kw,
@@ -255,6 +259,7 @@ def _errors(mesh: Any) -> dict[str, str]:
         "padding": refusal(lambda: _padded(mesh, ids)),
         "sliding": refusal(lambda: step(_mistral(), ids, ids)),
         "labels": refusal(lambda: _labels(mesh, ids)),
+        "stage_cp": refusal(lambda: meshpipe.init_stage_meshes([{"cp": 2}, {"tp": 2}])),
         "values": refusal(lambda: step(Tiny(), (ids + cp) % VOCAB, ids, split_points=["layers.2"])),
         "shapes": refusal(lambda: step(Tiny(), ids[:, : 8 + 4 * cp], ids[:, : 8 + 4 * cp])),
     }
@@ -327,6 +332,10 @@ def _world4(root: str) -> dict[str, Any]:
     dp_cp = meshpipe.init_mesh(pp=1, dp=2, cp=2)
     for dp in (None, "fsdp"):
         out[f"dp_cp_{dp}"] = _custom_case(dp_cp, dp)
+    # stage meshes, cp=2 on each: each cp rank's slice of the pipeline, over the world group
+    stage = meshpipe.init_stage_meshes([{"cp": 2}, {"cp": 2, "tp": 1}])
+    for dp in ("ddp", "fsdp"):
+        out[f"stage_{dp}"] = _custom_case(stage, dp)
     # hsdp: sharded within cp, replicated across dp_replicate (pp=1 x dp_replicate=2 x cp=2)
     out["hsdp_cp"] = _custom_case(meshpipe.init_mesh(pp=1, dp_replicate=2, cp=2), "hsdp")
     out["more"] = _more(mesh, dp_cp)
@@ -423,7 +432,9 @@ def test_custom_attention_pp2_cp2_matches_one_process(
         assert r["param"] < 1e-4, (rank, dp, r)
 
 
-@pytest.mark.parametrize("case", ["zbh1", "ckpt", "dp_cp_None", "dp_cp_fsdp", "hsdp_cp"])
+@pytest.mark.parametrize(
+    "case", ["zbh1", "ckpt", "dp_cp_None", "dp_cp_fsdp", "hsdp_cp", "stage_ddp", "stage_fsdp"]
+)
 def test_zero_bubble_checkpointing_and_dp_by_cp_match_one_process(
     world4: list[dict[str, Any]], case: str
 ) -> None:
@@ -436,7 +447,9 @@ def test_zero_bubble_checkpointing_and_dp_by_cp_match_one_process(
             assert r["meshes"] == {(("dp_cp",), (4,))}, r["meshes"]
         if case == "hsdp_cp":  # replicated across dp_replicate, sharded over cp
             assert r["meshes"] == {(("dp_replicate", "cp"), (2, 2))}, r["meshes"]
-        if case != "zbh1" and case != "ckpt":  # two rows of each chunk, 1 stage: 4 layers
+        if case == "stage_fsdp":  # each stage mesh's parameters sharded over its cp ranks
+            assert r["meshes"] == {(("cp",), (2,))}, r["meshes"]
+        if case.startswith(("dp_cp", "hsdp")):  # two rows of each chunk, 1 stage: 4 layers
             assert r["cp_bytes"] == [4 * 2 * 1 * 2 * 2 * 2 * (n // 2) * 8 * 4 for n in LENGTHS]
 
 
@@ -473,6 +486,10 @@ def test_bad_input_is_refused_on_every_process(world4: list[dict[str, Any]]) -> 
     assert "attention_mask has zeros" in errors["padding"], errors["padding"]
     assert "same rows, whole sequences, but their inputs' values differ" in errors["values"]
     assert "MistralAttention has sliding_window=4" in errors["sliding"], errors["sliding"]
+    assert (
+        "have cp sizes [2, 1]; context parallelism on stage meshes needs the same cp"
+        in (errors["stage_cp"])
+    ), errors["stage_cp"]
     assert "a Hugging Face model's own loss (labels=)" in errors["labels"], errors["labels"]
     for r in world4:
         assert (

@@ -33,6 +33,7 @@ __all__ = [
     "check_degree",
     "check_not_built",
     "dp_groups",
+    "dp_meshes",
     "flatten_dp",
     "flattened",
 ]
@@ -82,6 +83,18 @@ def dp_groups(mesh: DeviceMesh, dp_axis: str) -> DpGroups:
     names = tuple(mesh.mesh_dim_names or ())
     sizes = {axis: mesh.size(names.index(axis)) for axis in names}
     rep, dp, cp = sizes.get(REPLICATE, 1), sizes.get(dp_axis, 1), sizes.get(CP, 1)
+    flat, hsdp = dp_meshes(mesh, dp_axis)
+    group = flat.get_group() if flat is not None and rep * dp * cp > 1 else None
+    return DpGroups(rep * dp * cp, group, flat, hsdp, rep, cp)
+
+
+def dp_meshes(mesh: DeviceMesh, dp_axis: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The 1-d mesh over every replica and cp rank of ``mesh``, and the 2-d mesh hsdp shards
+    over (None without a dp_replicate axis); flattened meshes are made by the first call
+    (collective over the world: every process calls it for every mesh, in order)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = {axis: mesh.size(names.index(axis)) for axis in names}
+    rep, dp, cp = sizes.get(REPLICATE, 1), sizes.get(dp_axis, 1), sizes.get(CP, 1)
     hsdp = mesh[REPLICATE, dp_axis] if REPLICATE in names and dp_axis in names else None
     flat: DeviceMesh | None
     if cp > 1:
@@ -95,8 +108,7 @@ def dp_groups(mesh: DeviceMesh, dp_axis: str) -> DpGroups:
         flat = mesh[REPLICATE]
     else:
         flat = mesh[dp_axis] if dp_axis in names else None
-    group = flat.get_group() if flat is not None and rep * dp * cp > 1 else None
-    return DpGroups(rep * dp * cp, group, flat, hsdp, rep, cp)
+    return flat, hsdp
 
 
 def _flat_with_cp(mesh: DeviceMesh, row_axes: list[str]) -> DeviceMesh:
