@@ -524,3 +524,12 @@ def test_cp2_checkpoint_loads_in_one_process(world4: list[dict[str, Any]], root:
     assert sorted(saved) == sorted(n for n, _ in plain.named_parameters())
     for name, t in saved.items():
         assert torch.equal(plain.get_parameter(name).detach(), t), name
+
+
+def test_simulator_counts_cp_processes_of_stage_meshes() -> None:
+    from meshpipe.sim.meshes import mesh_processes, stage_mesh_cost
+
+    assert mesh_processes([{"cp": 2}, {"dp": 2, "cp": 2}]) == (2, 4)
+    sched = meshpipe.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    cost = stage_mesh_cost(meshpipe.Cost(f=1.0, b=2.0), sched, [{"cp": 2}, {"dp": 2, "cp": 2}])
+    assert cost.f == (0.5, 0.25) and cost.b == (1.0, 0.5)
