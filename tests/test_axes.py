@@ -106,6 +106,7 @@ def _errors() -> dict[str, str]:
         "cp": refusal(lambda: meshpipe.init_mesh(pp=1, dp=2, cp=2)),
         "ep": refusal(lambda: meshpipe.init_mesh(pp=2, dp=2, ep=3)),
         "stage_cp": refusal(lambda: meshpipe.init_stage_meshes([{"dp": 2, "cp": 2}])),
+        "cp_ep": refusal(lambda: meshpipe.init_mesh(pp=1, dp=2, cp=2, ep=2)),
         "stage_sum": refusal(lambda: meshpipe.init_stage_meshes([{"dp_replicate": 2, "dp": 1}])),
     }
 
@@ -240,9 +241,10 @@ def test_bad_degrees_are_refused_naming_them(world4: list[dict[str, Any]]) -> No
     assert all(r["errors"] == errors for r in world4)  # the same on every process
     assert "pp=1 x dp_replicate=2 x dp=1 x cp=1 x tp=1 = 2 processes" in errors["product"]
     assert "world size is 4" in errors["product"]
-    assert "cp=2" in errors["cp"] and "not built yet" in errors["cp"]
+    assert errors["cp"] == "accepted"  # cp is built: tests/test_cp.py
     assert "ep=3 does not divide dp x cp = 2 x 1 = 2" in errors["ep"]
-    assert "cp=2" in errors["stage_cp"] and "not built yet" in errors["stage_cp"]
+    assert errors["stage_cp"] == "accepted"  # cp on stage meshes: tests/test_cp.py
+    assert "cp=2 with ep=2: context and expert parallelism together" in errors["cp_ep"]
     assert "world size is 4" in errors["stage_sum"], errors["stage_sum"]
 
 

@@ -1,6 +1,6 @@
 """Stage meshes in the simulator: per-stage costs scaled by the processes of each rank's mesh.
 
-A pp rank whose stage mesh has ``dp_replicate * dp * tp`` processes runs its stages faster;
+A pp rank whose stage mesh has ``dp_replicate * dp * cp * tp`` processes runs its stages faster;
 this module turns a Cost measured (or guessed) for one process per stage into the Cost of
 a layout of stage meshes. No torch: a mesh here is only its axis sizes, as given to
 ``meshpipe.init_stage_meshes``.
@@ -18,15 +18,17 @@ from meshpipe.sim.simulate import Cost
 
 __all__ = ["mesh_processes", "stage_mesh_cost"]
 
-# the axes of a stage mesh (init_stage_meshes' keys, cp and ep not built); a missing one
-# has size 1; ep adds no processes, so it is not counted here
-MESH_AXES = ("dp_replicate", "dp", "tp")
-NO_PROCESSES = ("ep",)  # accepted (ep groups a mesh's dp ranks), counts no processes
+# the axes of a stage mesh (init_stage_meshes' keys); a missing one has size 1. ep adds no
+# processes (it groups a mesh's dp ranks), so it is not counted. cp divides a stage's work
+# as dp does (each process holds 1/cp of every sequence, and its queries attend to all of
+# it: 1/cp of the attention too); its all-gathers of K and V are not counted
+MESH_AXES = ("dp_replicate", "dp", "cp", "tp")
+NO_PROCESSES = ("ep",)  # accepted, counts no processes
 
 
 def _processes(rank: int, mesh: object) -> int:
-    """dp_replicate * dp * tp of one rank's mesh; ValueError naming the rank and the bad
-    value."""
+    """dp_replicate * dp * cp * tp of one rank's mesh; ValueError naming the rank and the
+    bad value."""
     if not isinstance(mesh, Mapping):
         raise ValueError(
             f"stage mesh {rank} is {mesh!r}; give a dict of axis sizes such as {{'dp': 2}}"
@@ -47,7 +49,7 @@ def _processes(rank: int, mesh: object) -> int:
 
 
 def mesh_processes(meshes: Sequence[Mapping[str, int]]) -> tuple[int, ...]:
-    """The number of processes (dp_replicate * dp * tp) of each stage mesh, checked.
+    """The number of processes (dp_replicate * dp * cp * tp) of each stage mesh, checked.
 
     Raises ValueError naming the mesh and the value for an unknown axis or a size that is
     not an int >= 1.
@@ -75,7 +77,8 @@ def stage_mesh_cost(
     """``cost`` with each stage's f, b (and w, when given) divided by its mesh's speedup.
 
     Stage ``s`` runs on pp rank ``schedule.placement[s]``, whose mesh ``meshes[rank]`` has
-    ``n = dp * tp`` processes; its times are divided by ``1 + (n - 1) * efficiency``
+    ``n = dp_replicate * dp * cp * tp`` processes; its times are divided by
+    ``1 + (n - 1) * efficiency``
     (``efficiency`` 1 is linear scaling). The result has one value per stage for f, b and,
     when ``cost.w`` is not None, w; ``p2p`` is unchanged.
 

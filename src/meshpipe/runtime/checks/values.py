@@ -36,13 +36,12 @@ from torch.distributed.tensor import DTensor
 
 from meshpipe.errors import CommTimeoutError
 from meshpipe.runtime.failures.waits import wait_work
+from meshpipe.runtime.mesh.compat import gather_single
 
 __all__ = ["SLOTS", "DeviceGather", "Gathered", "fingerprint", "leaf_sums", "verdict"]
 
 SLOTS = 16  # leaves per fingerprint row; leaf i fills slot i % SLOTS (2 int64 each)
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# dist.all_gather_single replaces all_gather_into_tensor (deprecated in torch 2.13)
-_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 _K1, _K2 = -7046029254386353131, -4658895280553007687  # odd 64-bit mixing constants
@@ -190,7 +189,7 @@ class DeviceGather:
     def launch(self, fp: torch.Tensor, paths: Sequence[str], call: str) -> Gathered:
         """Start all-gathering this process's fingerprint ``fp`` (on the device)."""
         out = torch.empty(self._size * 2 * SLOTS, dtype=torch.int64, device=self.device)
-        work = _gather_single(out, fp, group=self._group, async_op=True)
+        work = gather_single(out, fp, group=self._group, async_op=True)
         if self._stream is not None and self._event is not None:
             with torch.cuda.stream(self._stream):  # the compute stream never waits for it
                 work.wait()  # a stream wait

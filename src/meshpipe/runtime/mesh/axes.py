@@ -6,13 +6,18 @@ take the global batch's row slices in order, replicate-major (replica
 DDP-style gradients, the replicas' initial broadcast) runs over one group holding all of
 them: the flattened ``(dp_replicate, dp)`` sub-mesh. FSDP2 shards over that flat group
 (``dp="fsdp"``), or over the 2-d sub-mesh (``dp="hsdp"``: sharded within ``dp``,
-replicated across ``dp_replicate``). ``cp`` is accepted with size 1 only; ``ep`` groups the
-``dp x cp`` ranks that share their experts (runtime/mesh/ep.py).
+replicated across ``dp_replicate``).
+
+``cp`` splits the sequence dim instead of the rows (runtime/step/cp_inputs.py), but reduces
+like a replica: the loss and the gradients run over the flattened ``(dp_replicate, dp, cp)``
+group (each axis of it above 1), so ``DpGroups.size`` counts cp too and ``cp_size`` says how
+much of it is cp; ``dp="hsdp"`` shards within the flattened ``(dp, cp)`` and replicates
+across ``dp_replicate``. ``ep`` groups the ``dp x cp`` ranks that share their experts
+(runtime/mesh/ep.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -21,19 +26,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpipe.errors import PipelineError
 
 __all__ = [
+    "CP",
     "MESH_AXES",
     "REPLICATE",
     "DpGroups",
     "check_degree",
-    "check_not_built",
     "dp_groups",
+    "dp_meshes",
     "flatten_dp",
     "flattened",
 ]
 
 MESH_AXES = ("pp", "dp_replicate", "dp", "cp", "tp")  # init_mesh's axes, in mesh order
 REPLICATE = "dp_replicate"
-NOT_BUILT = ("cp",)  # accepted with size 1 only, for now
+CP = "cp"
 
 
 def check_degree(name: str, value: object, where: str = "") -> int:
@@ -43,47 +49,60 @@ def check_degree(name: str, value: object, where: str = "") -> int:
     return value
 
 
-def check_not_built(sizes: Mapping[str, int], where: str = "") -> None:
-    """Refuse the axes not built yet (``NOT_BUILT``) above 1."""
-    for axis in NOT_BUILT:
-        size = sizes.get(axis, 1)
-        if size > 1:
-            what = "context parallelism" if axis == "cp" else "expert parallelism"
-            raise PipelineError(
-                f"{where}{axis}={size}: {what} is not built yet in meshpipe; only {axis}=1 "
-                "is accepted for now"
-            )
-
-
 @dataclass(frozen=True)
 class DpGroups:
-    """The data-parallel groups of one process: every replica in ``group`` (None when there
-    is one replica), ``flat`` the 1-d mesh over them (for FSDP2 and DDP-style replicas),
+    """The data-parallel groups of one process: every replica and cp rank in ``group`` (None
+    when there is one), ``flat`` the 1-d mesh over them (for FSDP2 and DDP-style replicas),
     ``hsdp`` the 2-d ``(dp_replicate, dp)`` mesh (None without a dp_replicate axis)."""
 
-    size: int
+    size: int  # dp_replicate x dp x cp
     group: dist.ProcessGroup | None
     flat: DeviceMesh | None
     hsdp: DeviceMesh | None
     replicate_size: int
+    cp_size: int = 1
 
 
 def dp_groups(mesh: DeviceMesh, dp_axis: str) -> DpGroups:
-    """The dp groups of ``mesh`` (collective over the mesh when both dp axes exceed 1: the
-    flat group is made then)."""
+    """The dp groups of ``mesh`` (collective over the mesh when two of dp_replicate, dp and
+    cp exceed 1: the flat group is made then)."""
     names = tuple(mesh.mesh_dim_names or ())
     sizes = {axis: mesh.size(names.index(axis)) for axis in names}
-    rep, dp = sizes.get(REPLICATE, 1), sizes.get(dp_axis, 1)
+    rep, dp, cp = sizes.get(REPLICATE, 1), sizes.get(dp_axis, 1), sizes.get(CP, 1)
+    flat, hsdp = dp_meshes(mesh, dp_axis)
+    group = flat.get_group() if flat is not None and rep * dp * cp > 1 else None
+    return DpGroups(rep * dp * cp, group, flat, hsdp, rep, cp)
+
+
+def dp_meshes(mesh: DeviceMesh, dp_axis: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The 1-d mesh over every replica and cp rank of ``mesh``, and the 2-d mesh hsdp shards
+    over (None without a dp_replicate axis); flattened meshes are made by the first call
+    (collective over the world: every process calls it for every mesh, in order)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = {axis: mesh.size(names.index(axis)) for axis in names}
+    rep, dp, cp = sizes.get(REPLICATE, 1), sizes.get(dp_axis, 1), sizes.get(CP, 1)
     hsdp = mesh[REPLICATE, dp_axis] if REPLICATE in names and dp_axis in names else None
     flat: DeviceMesh | None
-    if rep > 1 and dp > 1 and hsdp is not None:
+    if cp > 1:
+        flat = _flat_with_cp(mesh, [a for a in (REPLICATE, dp_axis) if sizes.get(a, 1) > 1])
+        if REPLICATE in names:  # hsdp shards within dp x cp, replicates across dp_replicate
+            shard = _flat_with_cp(mesh, [dp_axis] if dp > 1 else [])
+            hsdp = mesh[REPLICATE, shard.mesh_dim_names[0]]  # type: ignore[index]
+    elif rep > 1 and dp > 1 and hsdp is not None:
         flat = flatten_dp(mesh, dp_axis)
     elif rep > 1:
         flat = mesh[REPLICATE]
     else:
         flat = mesh[dp_axis] if dp_axis in names else None
-    group = flat.get_group() if flat is not None and rep * dp > 1 else None
-    return DpGroups(rep * dp, group, flat, hsdp, rep)
+    return flat, hsdp
+
+
+def _flat_with_cp(mesh: DeviceMesh, row_axes: list[str]) -> DeviceMesh:
+    """The 1-d mesh over the row axes above 1 and cp (cp alone: the cp axis itself)."""
+    if not row_axes:
+        return mesh[CP]
+    axes = (*row_axes, CP)
+    return mesh[axes]._flatten("_".join(axes))
 
 
 def flatten_dp(mesh: DeviceMesh, dp_axis: str) -> DeviceMesh:

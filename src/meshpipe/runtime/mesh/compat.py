@@ -1,14 +1,17 @@
-"""The torch versions meshpipe is tested on, and one warning when run on another."""
+"""The torch versions meshpipe is tested on, one warning when run on another, and the
+collectives torch renamed between them."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import warnings
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["TESTED_TORCH", "check_torch_version"]
+__all__ = ["TESTED_TORCH", "check_torch_version", "gather_single", "reduce_scatter_single"]
 
 log = logging.getLogger(__name__)
 
@@ -16,6 +19,13 @@ log = logging.getLogger(__name__)
 # CI's own (2.13). torch 2.6 failed it: FSDP2 on CPU, DCP's save(no_dist=), pytree's
 # TreeSpec.children, distribute_tensor(src_data_rank=) are all newer.
 TESTED_TORCH = ((2, 11), (2, 13))
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names are
+# deprecated there); the GPU machines' torch 2.11 has only the old ones
+gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single: Any = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 def _major_minor(version: str) -> tuple[int, int]:

@@ -23,7 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["EP_ATTR", "EpMeshes", "attach_ep", "check_ep", "ep_coord", "ep_of"]
+__all__ = [
+    "EP_ATTR",
+    "EpMeshes",
+    "attach_ep",
+    "check_cp_with_ep",
+    "check_ep",
+    "ep_coord",
+    "ep_of",
+]
 
 EP_ATTR = "meshpipe_ep"
 EP_DIMS = ("ep_outer", "ep_replicate", "ep")
@@ -41,6 +49,17 @@ def check_ep(sizes: Mapping[str, int], where: str = "") -> int:
             f"{fits}"
         )
     return ep
+
+
+def check_cp_with_ep(sizes: Mapping[str, int], where: str = "") -> None:
+    """Refuse ``cp`` and ``ep`` both above 1: each is tested against one process, the two
+    together are not yet (a MoE block's tokens would be sequence chunks of several ranks)."""
+    cp, ep = sizes.get("cp", 1), sizes.get("ep", 1)
+    if cp > 1 and ep > 1:
+        raise PipelineError(
+            f"{where}cp={cp} with ep={ep}: context and expert parallelism together are not "
+            "supported yet; use one of them (docs/axes.md)"
+        )
 
 
 @dataclass(frozen=True)

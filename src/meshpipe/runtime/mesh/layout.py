@@ -76,6 +76,9 @@ class Layout:
     ranks: tuple[int, ...]  # process index -> global rank
     me: int
     stage_meshes: bool = False
+    # (process, pp, dp, tp) of processes in no grid: stage meshes with cp > 1, where the
+    # grids are this process's cp slice and the other slices' processes are only placed
+    others: tuple[tuple[int, int, int, int], ...] = ()
 
     @classmethod
     def uniform(cls, pp_global_ranks: Sequence[int], pp_rank: int) -> Layout:
@@ -89,6 +92,8 @@ class Layout:
             for d, row in enumerate(grid):
                 for t, proc in enumerate(row):
                     where[proc] = (pp, d, t)
+        for proc, pp, d, t in self.others:
+            where[proc] = (pp, d, t)
         object.__setattr__(self, "_where", where)
         object.__setattr__(self, "_mine", {})
 

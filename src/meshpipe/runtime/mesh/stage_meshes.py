@@ -4,6 +4,7 @@ and this process's Topology among them."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -12,14 +13,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.mesh.axes import (
+    CP,
     REPLICATE,
     check_degree,
-    check_not_built,
     dp_groups,
-    flatten_dp,
+    dp_meshes,
     flattened,
 )
-from meshpipe.runtime.mesh.ep import attach_ep, check_ep, ep_coord, ep_of
+from meshpipe.runtime.mesh.ep import attach_ep, check_cp_with_ep, check_ep, ep_coord, ep_of
 from meshpipe.runtime.mesh.layout import Layout, gather_parts
 from meshpipe.runtime.mesh.topology import Topology, ep_size, init_default_group, mesh_device
 from meshpipe.runtime.step.microbatch import (
@@ -34,12 +35,12 @@ from meshpipe.schedule.ir import Schedule
 
 __all__ = ["init_stage_meshes", "stage_topology", "is_stage_meshes"]
 
-STAGE_AXES = (REPLICATE, "dp", "tp")  # a stage mesh's axes; dp_replicate only when above 1
-SHAPE_KEYS = (REPLICATE, "dp", "cp", "tp", "ep")  # what a shape may name (cp: size 1)
+STAGE_AXES = (REPLICATE, "dp", CP, "tp")  # a stage mesh's axes; dp_replicate, cp above 1
+SHAPE_KEYS = (REPLICATE, "dp", "cp", "tp", "ep")  # what a shape may name
 
 
-def _shape(i: int, shape: object) -> tuple[int, int, int]:
-    """(dp_replicate, dp, tp) of stage mesh ``i``'s shape, checked."""
+def _shape(i: int, shape: object) -> tuple[int, int, int, int]:
+    """(dp_replicate, dp, cp, tp) of stage mesh ``i``'s shape, checked."""
     if not isinstance(shape, Mapping):
         raise PipelineError(
             f"stage mesh {i} is {shape!r}; give a dict of axis sizes such as {{'dp': 2}} or "
@@ -52,9 +53,21 @@ def _shape(i: int, shape: object) -> tuple[int, int, int]:
         )
     where = f"stage mesh {i}: "
     sizes = {axis: check_degree(axis, shape.get(axis, 1), where) for axis in SHAPE_KEYS}
-    check_not_built(sizes, where)
     check_ep(sizes, where)
-    return sizes[REPLICATE], sizes["dp"], sizes["tp"]
+    check_cp_with_ep(sizes, where)
+    return sizes[REPLICATE], sizes["dp"], sizes["cp"], sizes["tp"]
+
+
+def _same_cp(cps: Sequence[int], what: object) -> int:
+    """The cp size every stage mesh shares (each cp rank's slice of the pipeline holds its
+    sequence chunks from the first stage to the last), or PipelineError naming them."""
+    if len(set(cps)) > 1:
+        raise PipelineError(
+            f"the stage meshes {what} have cp sizes {list(cps)}; context parallelism on stage "
+            "meshes needs the same cp on every one (a boundary moves rows, not sequence "
+            "chunks)"
+        )
+    return cps[0]
 
 
 def init_stage_meshes(
@@ -67,13 +80,14 @@ def init_stage_meshes(
     ranks: ``init_stage_meshes([{"tp": 1}, {"dp": 2}, {"tp": 2}])`` puts pp rank 0 on
     process 0, pp rank 1 on processes 1-2 (dp) and pp rank 2 on 3-4 (tp).
 
-    A shape may name ``dp_replicate``, ``dp``, ``cp``, ``tp`` and ``ep`` (``cp`` of size 1
-    only, for now; ``ep`` groups that mesh's dp ranks sharing their experts and must divide
-    its ``dp``); ``dp_replicate x dp`` replicas split each microbatch's rows
-    in order, replicate-major. The sizes must add up to the world size. The default process
-    group is initialised from torchrun's environment when none exists, as
-    :func:`meshpipe.init_mesh` does; an existing one is used as it is. Every process builds
-    every mesh (collective).
+    A shape may name ``dp_replicate``, ``dp``, ``cp``, ``tp`` and ``ep``;
+    ``dp_replicate x dp`` replicas split each microbatch's rows in order, replicate-major;
+    ``cp`` (the same on every stage mesh; axis ``"cp"`` between ``dp`` and ``tp`` when above
+    1) splits each sequence, as on one mesh (docs/axes.md); ``ep`` groups that mesh's dp
+    ranks sharing their experts and must divide its ``dp`` (not with ``cp`` above 1). The
+    sizes must add up to the world size. The default process group is initialised from
+    torchrun's environment when none exists, as :func:`meshpipe.init_mesh` does; an
+    existing one is used as it is. Every process builds every mesh (collective).
     """
     if isinstance(shapes, (str, bytes, Mapping)) or not isinstance(shapes, Sequence):
         raise PipelineError(
@@ -82,29 +96,31 @@ def init_stage_meshes(
     if len(shapes) < 1:
         raise PipelineError("init_stage_meshes needs at least one stage mesh shape")
     sizes = [_shape(i, s) for i, s in enumerate(shapes)]
+    _same_cp([cp for _r, _d, cp, _t in sizes], list(shapes))
     device_type = init_default_group(device_type, timeout)
     world = dist.get_world_size()
-    total = sum(rep * dp * tp for rep, dp, tp in sizes)
+    total = sum(rep * dp * cp * tp for rep, dp, cp, tp in sizes)
     if total != world:
-        counts = " + ".join(f"{rep * dp * tp}" for rep, dp, tp in sizes)
+        counts = " + ".join(f"{rep * dp * cp * tp}" for rep, dp, cp, tp in sizes)
         raise PipelineError(
             f"the stage meshes {list(shapes)} need {counts} = {total} processes, but the world "
-            f"size is {world}; the sizes (dp_replicate x dp x tp per stage mesh) must add up "
-            "to the world size"
+            f"size is {world}; the sizes (dp_replicate x dp x cp x tp per stage mesh) must "
+            "add up to the world size"
         )
     meshes = []
     base = 0
-    for (rep, dp, tp), shape in zip(sizes, shapes, strict=True):
-        ids = torch.arange(base, base + rep * dp * tp)
-        if rep > 1:
-            mesh = DeviceMesh(device_type, ids.reshape(rep, dp, tp), mesh_dim_names=STAGE_AXES)
-            if dp > 1:  # the group of every replica, made here where every process is
-                flatten_dp(mesh, "dp")
-        else:
-            mesh = DeviceMesh(device_type, ids.reshape(dp, tp), mesh_dim_names=STAGE_AXES[1:])
-        attach_ep(mesh, ids.reshape(1, rep, dp, 1, tp), int(shape.get("ep", 1)), device_type)
+    for (rep, dp, cp, tp), shape in zip(sizes, shapes, strict=True):
+        n = rep * dp * cp * tp
+        kept = [(a, k) for a, k in zip(STAGE_AXES, (rep, dp, cp, tp)) if k > 1 or a in ("dp", "tp")]
+        names = tuple(a for a, _ in kept)
+        ids = torch.arange(base, base + n).reshape(*(k for _, k in kept))
+        mesh = DeviceMesh(device_type, ids, mesh_dim_names=names)
+        if (rep > 1 and dp > 1) or cp > 1:  # the group of every replica (and cp rank), made
+            dp_meshes(mesh, "dp")  # here where every process is
+        grid = torch.arange(base, base + n).reshape(1, rep, dp, cp, tp)
+        attach_ep(mesh, grid, int(shape.get("ep", 1)), device_type)
         meshes.append(mesh)
-        base += rep * dp * tp
+        base += n
     return meshes
 
 
@@ -112,9 +128,12 @@ def is_stage_meshes(mesh: object) -> bool:
     return isinstance(mesh, (list, tuple)) and all(isinstance(m, DeviceMesh) for m in mesh)
 
 
-def _grid(i: int, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
-    """Stage mesh ``i``'s processes as rows (the dp_replicate x dp replicas,
-    replicate-major) of its tp ranks."""
+Grid = tuple[tuple[int, ...], ...]
+
+
+def _grids(i: int, mesh: DeviceMesh) -> list[Grid]:
+    """Stage mesh ``i``'s processes, per cp coordinate, as rows (the dp_replicate x dp
+    replicas, replicate-major) of its tp ranks."""
     names = tuple(mesh.mesh_dim_names or ())
     if not names or any(n not in STAGE_AXES for n in names) or len(set(names)) != len(names):
         raise PipelineError(
@@ -126,9 +145,12 @@ def _grid(i: int, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
         if axis not in names:
             ids = ids.unsqueeze(-1)
             names = (*names, axis)
-    ids = ids.permute(*(names.index(a) for a in STAGE_AXES))
+    ids = ids.permute(*(names.index(a) for a in STAGE_AXES))  # (rep, dp, cp, tp)
     tp = ids.shape[-1]
-    return tuple(tuple(int(r) for r in row) for row in ids.reshape(-1, tp).tolist())
+    return [
+        tuple(tuple(int(r) for r in row) for row in ids[:, :, c].reshape(-1, tp).tolist())
+        for c in range(ids.shape[2])
+    ]
 
 
 def _named(pp: int, replicate: int, rep: int, dp: int, tp: int) -> dict[str, int]:
@@ -143,16 +165,21 @@ def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
         raise PipelineError("Pipeline got an empty list of stage meshes")
     if not dist.is_initialized():
         raise PipelineError("stage meshes need a process group: use meshpipe.init_stage_meshes")
-    grids = tuple(_grid(i, m) for i, m in enumerate(meshes))
+    slices = [_grids(i, m) for i, m in enumerate(meshes)]  # [pp][cp] -> grid
+    cp_size = _same_cp([len(g) for g in slices], "given")
     seen: dict[int, int] = {}
-    for i, grid in enumerate(grids):
-        for proc in (p for row in grid for p in row):
-            if proc in seen:
-                raise PipelineError(
-                    f"global rank {proc} is in stage mesh {seen[proc]} and in stage mesh {i}; "
-                    "stage meshes must not share processes"
-                )
-            seen[proc] = i
+    places: dict[int, tuple[int, int, int, int]] = {}  # process -> (pp, row, tp, cp)
+    for i, per_cp in enumerate(slices):
+        for c, grid in enumerate(per_cp):
+            for d, row in enumerate(grid):
+                for t, proc in enumerate(row):
+                    if proc in seen:
+                        raise PipelineError(
+                            f"global rank {proc} is in stage mesh {seen[proc]} and in stage "
+                            f"mesh {i}; stage meshes must not share processes"
+                        )
+                    seen[proc] = i
+                    places[proc] = (i, d, t, c)
     world = dist.get_world_size()
     if sorted(seen) != list(range(world)):
         raise PipelineError(
@@ -160,17 +187,20 @@ def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
             f"{world} processes; every process must be in exactly one stage mesh"
         )
     me = dist.get_rank()
-    layout = Layout(grids, tuple(range(world)), me, stage_meshes=True)
+    cp = places[me][3]  # this process's slice: the stage meshes' processes of its cp rank
+    grids = tuple(per_cp[cp] for per_cp in slices)
+    others = tuple((proc, i, d, t) for proc, (i, d, t, c) in places.items() if c != cp)
+    layout = Layout(grids, tuple(range(world)), me, stage_meshes=True, others=others)
     pp, d, t = layout.place(me)
     mesh = meshes[pp]
     rows, tp = layout.shape(pp)
     names = tuple(mesh.mesh_dim_names or ())
     rep = mesh.size(names.index(REPLICATE)) if REPLICATE in names else 1
-    if rep > 1 and rows > rep and not flattened(mesh, "dp"):
+    if ((rep > 1 and rows > rep) or (cp_size > 1 and rows > 1)) and not _made(mesh, cp_size):
         raise PipelineError(
-            f"stage mesh {pp} has dp_replicate={rep} and dp={rows // rep}: build the stage "
-            "meshes with meshpipe.init_stage_meshes (it makes the group of every replica, "
-            "which every process must join)"
+            f"stage mesh {pp} has dp_replicate={rep}, dp={rows // rep} and cp={cp_size}: "
+            "build the stage meshes with meshpipe.init_stage_meshes (it makes the group of "
+            "every replica, which every process must join)"
         )
     dps = dp_groups(mesh, "dp")
     dp = rows // rep
@@ -181,32 +211,53 @@ def stage_topology(meshes: Sequence[DeviceMesh]) -> Topology:
         pp_rank=pp,
         pp_size=len(meshes),
         pp_group=world_group,
-        pp_global_ranks=tuple(g[0][0] for g in grids),
+        pp_global_ranks=tuple(g[0][0][0] for g in slices),  # each mesh's first process
         dp_group=dps.group,
         dp_size=dps.size,
         dp_mesh=dps.flat,
         tp_size=tp,
         tp_mesh=mesh["tp"] if "tp" in names else None,
         device=mesh_device(mesh),
-        coords=_named(pp, d // dp, rep, d % dp, t) | ep_coord(mesh),
-        axis_sizes=_named(len(meshes), rep, rep, dp, tp),
+        coords=_named(pp, d // dp, rep, d % dp, t)
+        | ({CP: cp} if cp_size > 1 else {})
+        | ep_coord(mesh),
+        axis_sizes=_named(len(meshes), rep, rep, dp, tp) | ({CP: cp_size} if cp_size > 1 else {}),
         layout=layout,
         replicate_size=rep,
         hsdp_mesh=dps.hsdp,
+        cp_size=dps.cp_size,
+        cp_mesh=mesh[CP] if cp_size > 1 else None,
         ep=ep_of(mesh),
         ep_sizes=tuple(ep_size(m) for m in meshes),
     )
 
 
-def local_part(lay: Layout, mbs: Microbatches, chunk_spec: ChunkSpec | None) -> Microbatches:
+def _made(mesh: DeviceMesh, cp: int) -> bool:
+    """Whether init_stage_meshes made ``mesh``'s flattened data-parallel group."""
+    names = tuple(mesh.mesh_dim_names or ())
+    axes = [a for a in (REPLICATE, "dp", CP) if a in names and mesh.size(names.index(a)) > 1]
+    if cp == 1:
+        return flattened(mesh, "dp")
+    root = mesh._get_root_mesh()
+    return "_".join(axes) in getattr(root, "_flatten_mapping", {})
+
+
+def local_part(
+    lay: Layout, mbs: Microbatches, chunk_spec: ChunkSpec | None, cp: int = 1
+) -> Microbatches:
     """Stage meshes: this process's dp part of every microbatch (checked for every mesh on
-    every process, so a too-small batch is refused everywhere); ``mbs`` itself otherwise."""
+    every process, so a too-small batch is refused everywhere); ``mbs`` itself otherwise.
+    With ``cp`` slices each part's share of the batch is divided by cp: every cp rank's
+    loss is a mean over its chunks, and the world sums them."""
     if not lay.stage_meshes:
         return mbs
     for pp in range(len(lay.grids)):
         check_parts(mbs.sizes, lay.shape(pp)[0], f"pp rank {pp}'s stage mesh")
     pp, d, _t = lay.place(lay.me)
-    return dp_part(mbs, d, lay.shape(pp)[0], chunk_spec)
+    part = dp_part(mbs, d, lay.shape(pp)[0], chunk_spec)
+    if cp > 1:
+        part = replace(part, total=sum(mbs.sizes) * cp)
+    return part
 
 
 def take_outputs(

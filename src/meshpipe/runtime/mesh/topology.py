@@ -13,14 +13,21 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.mesh.axes import (
+    CP,
     MESH_AXES,
     REPLICATE,
     check_degree,
-    check_not_built,
     dp_groups,
 )
 from meshpipe.runtime.mesh.compat import check_torch_version
-from meshpipe.runtime.mesh.ep import EpMeshes, attach_ep, check_ep, ep_coord, ep_of
+from meshpipe.runtime.mesh.ep import (
+    EpMeshes,
+    attach_ep,
+    check_cp_with_ep,
+    check_ep,
+    ep_coord,
+    ep_of,
+)
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.transfer.channels import Channels
 
@@ -45,10 +52,11 @@ def init_mesh(
 
     ``dp_replicate`` and ``dp`` split the batch rows (``dp_replicate x dp`` replicas, in
     order, replicate-major); ``dp="hsdp"`` shards within ``dp`` and replicates across
-    ``dp_replicate`` (docs/axes.md). ``ep`` adds no processes: it groups ``ep``
+    ``dp_replicate`` (docs/axes.md). ``cp`` splits the sequence dim of each replica's rows
+    (context parallelism, docs/axes.md). ``ep`` adds no processes: it groups ``ep``
     consecutive ranks of ``dp x cp`` that share their experts and must divide ``dp x cp``
-    (runtime/mesh/ep.py; collective: every process makes the ep groups). ``cp`` is
-    accepted with size 1 only for now.
+    (runtime/mesh/ep.py; collective: every process makes the ep groups); ``cp`` and ``ep``
+    above 1 together are refused (not tested together yet).
 
     Initialises the default process group from torchrun's environment variables when none
     exists: gloo on CPU; ``"cpu:gloo,cuda:nccl"`` when CUDA is present, on device
@@ -59,8 +67,8 @@ def init_mesh(
     check_torch_version()
     given = {"pp": pp, "dp_replicate": dp_replicate, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
     degrees = {name: check_degree(name, value) for name, value in given.items()}
-    check_not_built(degrees)
     check_ep(degrees)
+    check_cp_with_ep(degrees)
     sizes = tuple(degrees[axis] for axis in AXES)
     device_type = init_default_group(device_type, timeout)
     world = dist.get_world_size()
@@ -107,8 +115,11 @@ class Topology:
 
     ``dp_size``, ``dp_group`` and ``dp_mesh`` cover every data-parallel replica: the
     ``dp_replicate x dp`` processes that hold the same stages and take other rows (the
-    flattened sub-mesh when both axes exceed 1). ``hsdp_mesh`` is the 2-d ``(dp_replicate,
-    dp)`` sub-mesh that ``dp="hsdp"`` shards over, ``replicate_size`` its first size."""
+    flattened sub-mesh when both axes exceed 1), and the ``cp`` ranks with them (the group
+    reduces the loss and gradients; ``cp_size`` of its size is cp, which splits sequences,
+    not rows). ``hsdp_mesh`` is the 2-d ``(dp_replicate, dp)`` sub-mesh that ``dp="hsdp"``
+    shards over, ``replicate_size`` its first size. ``cp_mesh`` is the cp axis (None at
+    cp=1)."""
 
     pp_rank: int
     pp_size: int
@@ -127,13 +138,14 @@ class Topology:
     hsdp_mesh: DeviceMesh | None = None
     ep: EpMeshes | None = None  # this process's ep groups (None: ep=1)
     ep_sizes: tuple[int, ...] = ()  # the ep degree of every pp rank's mesh (empty: all 1)
+    cp_size: int = 1
+    cp_mesh: DeviceMesh | None = None
 
     @property
     def dp_index(self) -> int:
         """This process's replica: its row slice of the global batch (replicate-major)."""
-        return self.coords.get(REPLICATE, 0) * (self.dp_size // self.replicate_size) + (
-            self.coords.get("dp", 0)
-        )
+        per_replicate = self.dp_size // (self.replicate_size * self.cp_size)
+        return self.coords.get(REPLICATE, 0) * per_replicate + self.coords.get("dp", 0)
 
     @property
     def stage_meshes(self) -> bool:
@@ -151,7 +163,6 @@ class Topology:
                 "build it with meshpipe.init_mesh(pp=...) or pass pp_axis="
             )
         sizes = {axis: mesh.size(names.index(axis)) for axis in names}
-        check_not_built(sizes, "the mesh has ")
         known = (pp_axis, REPLICATE, dp_axis, "cp", tp_axis)
         for axis, size in sizes.items():
             if axis not in known and size > 1:
@@ -188,6 +199,8 @@ class Topology:
             hsdp_mesh=dps.hsdp,
             ep=ep_of(mesh),
             ep_sizes=(ep_size(mesh),) * sizes[pp_axis],
+            cp_size=dps.cp_size,
+            cp_mesh=mesh[CP] if dps.cp_size > 1 else None,
         )
 
 

@@ -139,7 +139,7 @@ class StepDriver:
         args, kwargs, target = call
         try:
             whole = split_microbatches(args, kwargs, target, schedule.num_microbatches, chunk_spec)
-            mbs = local_part(self.topology.layout, whole, chunk_spec)
+            mbs = local_part(self.topology.layout, whole, chunk_spec, self.topology.cp_size)
             stages = [runners[s].module for s in sorted(runners)]
             check_traced_shapes(stages, mbs.args, mbs.kwargs)  # before any transfer
             self.whole_rows = whole.sizes

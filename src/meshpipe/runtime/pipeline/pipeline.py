@@ -32,6 +32,7 @@ from meshpipe.runtime.pipeline.building import (
     stages_per_rank_of,
 )
 from meshpipe.runtime.pipeline.clipping import clip_grads
+from meshpipe.runtime.pipeline.context import context_parallel, refuse
 from meshpipe.runtime.pipeline.driver import StepDriver
 from meshpipe.runtime.pipeline.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.pipeline.from_plan import plan_arguments
@@ -74,10 +75,13 @@ class Pipeline:
     a difference raises PipelineError on every rank naming it (runtime/checks/agree.py).
     ``autocast=torch.bfloat16`` runs every stage's forward and the loss under
     ``torch.autocast`` (fp32 parameters and gradients, bf16 compute and activations on the
-    wire), with or without FSDP2. ``loss_parallel=True`` runs the last stage's loss and its
-    backward inside torch's ``loss_parallel()``, for a head whose tp plan leaves the logits
-    sharded over the vocabulary (``ColwiseParallel(output_layouts=Shard(-1),
-    use_local_output=False)``).
+    wire), with or without FSDP2. On a mesh with ``cp > 1`` every cp rank of a replica
+    passes the same rows, whole sequences, and keeps its load-balanced chunks of them: each
+    tensor input is cut on dim 1 unless ``cp_seq_dims`` (``{name, position or "target":
+    dim or None}``) says otherwise, and attention runs over the cp group (docs/axes.md).
+    ``loss_parallel=True`` runs the last stage's loss and its backward inside torch's
+    ``loss_parallel()``, for a head whose tp plan leaves the logits sharded over the
+    vocabulary (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``).
     """
 
     plan: Any = None  # the plan Pipeline.from_plan built this from, as given (else None)
@@ -110,6 +114,7 @@ class Pipeline:
         activation_checkpointing: Policy | Sequence[Policy] = None,
         compile: CompileOption = False,
         loss_parallel: bool = False,
+        cp_seq_dims: Mapping[str | int, int | None] | None = None,
     ) -> None:
         self.check_inputs = check_mode(check_inputs, mesh)
         check_autocast(autocast)
@@ -131,6 +136,10 @@ class Pipeline:
         self._ledger: SavedLedger | None = None  # track_memory()
         plan = auto_tp_plan(model) if tp_plan == "auto" else tp_plan
         experts = auto_ep_plan(model) if ep_plan == "auto" else ep_plan
+        # cp > 1: inputs cut to this process's sequence chunks, attention over the cp group
+        self._cp = context_parallel(
+            model, topo, cp_seq_dims, self._compile is not None, float(timeout)
+        )
         self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap, experts)  # type: ignore[arg-type]
         self.loss_fn, self._loss_use = loss_fn, target_use(loss_fn)  # see step()'s check
         self.chunk_spec = chunk_spec
@@ -145,7 +154,10 @@ class Pipeline:
             self._whole = WholeModel(model, sched.num_stages, split_points, init_fn)  # type: ignore[arg-type]
             # with example inputs the split (and tracing) happens here, so parameters exist
             # for the optimizer and checkpoint.load before the first step
-            self._ensure_split(tuple(example_args or ()), dict(example_kwargs or {}))
+            example = (tuple(example_args or ()), dict(example_kwargs or {}), None)
+            if self._cp is not None and (example_args or example_kwargs):  # as it will run
+                example = self._cp.inputs.cut(*example)
+            self._ensure_split(example[0], example[1])
         else:
             self._build_runners(stage_modules(model, self.schedule))
         self._accumulate = Accumulator()  # no_sync(): gradients stay local to the replica
@@ -284,8 +296,13 @@ class Pipeline:
         and on the dp axis (ring all-reduce / all-gather + reduce-scatter, computed from the
         parameter bytes) next to the minimum any data-parallel scheme must move. Per
         boundary, ``"boundary_bytes"`` maps ``"act 0->1"`` / ``"grad 1->0"`` (pp ranks) to
-        the tensor bytes this process sent across it."""
-        return self._driver.comm_stats()
+        the tensor bytes this process sent across it. With cp > 1, ``"cp_bytes"``: the bytes
+        this process sent over the cp group (attention's K/V all-gathers and their
+        backward)."""
+        stats = self._driver.comm_stats()
+        if self._cp is not None:
+            stats["cp_bytes"] = self._cp.bytes_sent
+        return stats
 
     def timeline(self) -> list[ActionRecord]:
         """Measured action times of the last step or forward on this rank."""
@@ -351,13 +368,16 @@ class Pipeline:
         the ranks holding the last stage and None elsewhere.
         """
         check_target("step", self.loss_fn, self._loss_use, target)  # before communicating
+        if return_outputs:
+            refuse(self._cp, "step(return_outputs=True)")
         sched = self._schedules.training(num_microbatches)
         what = (
             f"step (grad_scale {grad_scale}, {'synced' if self._accumulate.synced else 'no_sync'})"
         )
         gate = self._check_call(what, sched, args, kwargs, target, training=True)
+        call = self._cp_cut((args, kwargs, target), gate)
+        args, kwargs, target = call
         self._ensure_split(args, kwargs)
-        call = (args, kwargs, target)
         last = self._runners.get(sched.num_stages - 1)
         if last is not None:
             last.keep_outputs = return_outputs
@@ -366,7 +386,7 @@ class Pipeline:
         for p in params:
             p.grad = None
         try:
-            with self._tracked():
+            with self._tracked(), self._cp_scope():
                 losses = self._driver.run(sched, self._runners, call, True, gate, self.chunk_spec)
         except BaseException as e:
             if getattr(e, "meshpipe_refusal", False):  # nothing ran: gradients as they were
@@ -387,6 +407,7 @@ class Pipeline:
             if old is not None:
                 p.grad = old if p.grad is None else p.grad.add_(old)
         self._driver.done()
+        self._cp_checked()
         if return_outputs:
             return loss.to(torch.float32), self._take_outputs(sched)
         return loss.to(torch.float32)
@@ -407,6 +428,7 @@ class Pipeline:
         check_target("eval_step", self.loss_fn, self._loss_use, target)  # as step()
         infer = self._schedules.inference(num_microbatches)
         gate = self._check_call("eval_step", infer, args, kwargs, target, training=False)
+        args, kwargs, target = self._cp_cut((args, kwargs, target), gate)
         self._ensure_split(args, kwargs)
         last = self._runners.get(infer.num_stages - 1)
         scored: list[Any] = []  # loss_fn and metrics_fn run inside the step (driver.run)
@@ -417,13 +439,15 @@ class Pipeline:
             )
 
         call = (args, kwargs, target)
-        self._driver.run(infer, self._runners, call, False, gate, self.chunk_spec, score)
+        with self._cp_scope():
+            self._driver.run(infer, self._runners, call, False, gate, self.chunk_spec, score)
         records, metrics = scored
         src = self.topology.pp_global_ranks[infer.placement[-1]]
         with_metrics = metrics_fn is not None
         loss, reduced = self._driver.reduce_eval(
             records, metrics, src, self._contributes, with_metrics
         )
+        self._cp_checked()
         if not with_metrics:
             return loss.to(torch.float32)
         return loss.to(torch.float32), reduced
@@ -432,6 +456,19 @@ class Pipeline:
         dp_group = self.topology.dp_group if self.topology.stage_meshes else None  # parts
         runner = self._runners.get(sched.num_stages - 1)
         return take_outputs(runner, sched, dp_group, self._driver.whole_rows, self.timeout)
+
+    def _cp_cut(
+        self, call: tuple[tuple[Any, ...], dict[str, Any], Any], gate: Callable[[], None]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """cp > 1: this process's sequence chunks of the call (else the call itself)."""
+        return call if self._cp is None else self._cp.cut(call, gate, self.check_inputs)
+
+    def _cp_scope(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self._cp is None else self._cp.scope()
+
+    def _cp_checked(self) -> None:
+        if self._cp is not None:  # after the first call: the model ran attention over cp
+            self._cp.after_call(self.topology)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -446,6 +483,7 @@ class Pipeline:
 
     def forward(self, *args: Any, num_microbatches: int | None = None, **kwargs: Any) -> Any:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""
+        refuse(self._cp, "forward()")
         infer = self._schedules.inference(num_microbatches)
         gate = self._check_call("forward", infer, args, kwargs, None, training=False)
         self._ensure_split(args, kwargs)
@@ -467,6 +505,7 @@ class Pipeline:
         ``stop_check_every`` (read the lanes' stop every k tokens; default 1 on CPU, 8 on
         CUDA). Same call
         on every rank; no gradients, parameters and train/eval mode untouched."""
+        refuse(self._cp, "generate()")
         target = GenTarget(
             self._whole, self.schedule, self.topology, self.timeout, self._runners,
             self._ensure_split,

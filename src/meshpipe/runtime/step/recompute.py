@@ -10,12 +10,14 @@ traced stages, which call their blocks as modules); their parameter names do not
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from meshpipe.errors import PipelineError
@@ -57,7 +59,38 @@ def stage_policy(policy: Any, stage: int) -> Policy:
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=same_modes, **kwargs)
+
+
+class _Modes:
+    """Enters the torch function modes a forward ran under that are not active now."""
+
+    def __init__(self, modes: list[Any]) -> None:
+        self.modes = modes
+        self.entered: list[Any] = []
+
+    def __enter__(self) -> None:
+        active = _mode_stack()
+        self.entered = [m for m in self.modes if not any(m is a for a in active)]
+        for m in self.entered:
+            m.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for m in reversed(self.entered):
+            m.__exit__(None, None, None)
+        self.entered = []
+
+
+def same_modes() -> tuple[contextlib.AbstractContextManager[None], _Modes]:
+    """torch.utils.checkpoint's ``context_fn``: the recomputation runs under the torch
+    function modes of the forward (context parallelism routes attention by one; a backward
+    call, which the engine recomputes in, runs outside them)."""
+    return contextlib.nullcontext(), _Modes(_mode_stack())
+
+
+def _mode_stack() -> list[Any]:
+    modes: list[Any] = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    return modes
 
 
 def apply_policy(stage: nn.Module, policy: Policy, stage_index: int) -> bool:

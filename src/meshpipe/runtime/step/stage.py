@@ -16,7 +16,7 @@ from meshpipe.errors import PipelineError
 from meshpipe.runtime.step.backward import WeightGrad, backward_full, backward_input
 from meshpipe.runtime.step.loss_target import loss_args, target_use
 from meshpipe.runtime.step.pytree import flatten, unflatten
-from meshpipe.runtime.step.recompute import Replay, keeping_nothing
+from meshpipe.runtime.step.recompute import Replay, keeping_nothing, same_modes
 from meshpipe.runtime.step.slim import Boxes, keep_for_weights
 
 __all__ = ["StageRunner", "LossRecord", "as_stage_input"]
@@ -112,7 +112,10 @@ class StageRunner:
         with self._mixed():
             if self.recompute and torch.is_grad_enabled():
                 # keep only the stage's inputs; backward (I, or B) runs the forward again
-                return checkpoint(self._plain_call, value, args, kwargs, use_reentrant=False)
+                return checkpoint(
+                    self._plain_call, value, args, kwargs, use_reentrant=False,
+                    context_fn=same_modes,
+                )  # fmt: skip
             return self._plain_call(value, args, kwargs)
 
     def _plain_call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
