@@ -11,6 +11,8 @@ from torch import nn
 
 import meshpipe
 
+from parity import adamw_gaps, mse
+
 D = 16  # hidden size
 E = 4  # experts per MoE block
 K = 2  # experts per token
@@ -94,15 +96,6 @@ def moe_net(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(Mlp(), MoE(), Mlp(), MoE())
 
 
-def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(out, y)
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    t = t.full_tensor() if hasattr(t, "full_tensor") else t  # DTensor: collective
-    return t.detach().cpu().clone()
-
-
 def routes(model: nn.Module, kind: type[nn.Module]) -> tuple[dict[str, list[Any]], Any]:
     """Record the expert indices each experts module (of type ``kind``) is called with:
     name -> [top_k_index per call]; returns (records, remove)."""
@@ -143,25 +136,8 @@ def train(
 ) -> dict[str, float]:
     """3 AdamW steps with clipping on both (the pipeline on ``part`` of each batch); the
     largest gaps of loss, norm and (after) parameters."""
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0}
-    for x, y in batches:
-        loss = pipe.step(part(x), target=part(y))
-        norm = pipe.clip_grad_norm_(0.5)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        gaps["loss"] = max(gaps["loss"], abs(float(loss) - ref_loss.item()))
-        gaps["norm"] = max(gaps["norm"], abs(float(norm) - ref_norm.item()))
-    for name, p in pipe.named_parameters():
-        diff = (full(p) - ref.get_parameter(name).detach()).abs().max().item()
-        gaps["param"] = max(gaps["param"], diff)
-    return gaps
+    whole = [((x,), {}, y) for x, y in batches]
+    return adamw_gaps(pipe, ref, whole, loss_fn, part=part, clip=0.5)
 
 
 def expert_layout(pipe: meshpipe.Pipeline, ref: nn.Module) -> dict[str, Any]:

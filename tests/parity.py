@@ -95,6 +95,57 @@ def full_grad_diff(pipe: meshpipe.Pipeline, ref: nn.Module) -> float:
     return worst
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy of ``t``, whole (a DTensor is gathered: collective)."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.detach().cpu().clone()
+
+
+Batch = tuple[tuple[Any, ...], dict[str, Any], Any]  # (args, kwargs, target), whole
+
+
+def adamw_gaps(
+    pipe: meshpipe.Pipeline,
+    ref: nn.Module,
+    batches: list[Batch],
+    loss_fn: Callable[..., Any],
+    *,
+    part: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    clip: float = 1.0,
+    after_backward: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """AdamW steps (lr 1e-2) with clipping at ``clip``, one per batch, on the pipeline and
+    on the one-process ``ref``: the largest gaps of loss, gradient norm and (after the
+    steps) parameters. The pipeline gets ``part`` of every tensor (this process's rows;
+    default all of them); ``after_backward()`` runs after both backwards, before clipping.
+    The pipeline's optimizer is made after its first step (a traced split exists then)."""
+    part = part or (lambda t: t)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = None
+    gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0}
+    for args, kwargs, target in batches:
+        mine = {k: part(v) for k, v in kwargs.items()}
+        loss = pipe.step(*[part(a) for a in args], target=part(target), **mine)
+        ref_loss = loss_fn(ref(*args, **kwargs), target)
+        ref_loss.backward()
+        if after_backward is not None:
+            after_backward()
+        if opt is None:
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        norm = pipe.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        gaps["loss"] = max(gaps["loss"], abs(float(loss) - ref_loss.item()))
+        gaps["norm"] = max(gaps["norm"], abs(float(norm) - ref_norm.item()))
+    for name, p in pipe.named_parameters():
+        diff = (full(p) - ref.get_parameter(name).detach()).abs().max().item()
+        gaps["param"] = max(gaps["param"], diff)
+    return gaps
+
+
 def autocast_parity(mesh: Any, name: str, seed: int, **options: Any) -> dict[str, float]:
     """One bf16-autocast step against one process under the same autocast."""
     net = blocks(4)

@@ -26,16 +26,11 @@ import meshpipe
 from meshpipe import checkpoint as ck
 from meshpipe.testing import run_on_ranks
 
-from parity import blocks, dp_batch, mse, refusal
+from parity import adamw_gaps, blocks, dp_batch, full, mse, refusal
 
 ATOL = 1e-5
 ROWS = 16
 MODES = (None, "ddp", "fsdp", "hsdp")
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.full_tensor() if hasattr(t, "full_tensor") else t  # DTensor: collective
-    return t.detach().cpu().clone()
 
 
 def _batches(seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,25 +45,8 @@ def _train(
 ) -> dict[str, Any]:
     """3 AdamW steps with clipping on both (each replica its rows: ``part(t, mesh)``); the
     largest gaps."""
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0}
-    for x, y in _batches():
-        loss = pipe.step(part(x, mesh), target=part(y, mesh))
-        norm = pipe.clip_grad_norm_(0.5)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = mse(ref(x), y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        gaps["loss"] = max(gaps["loss"], abs(float(loss) - ref_loss.item()))
-        gaps["norm"] = max(gaps["norm"], abs(float(norm) - ref_norm.item()))
-    for name, p in pipe.named_parameters():
-        diff = (_full(p) - ref.get_parameter(name).detach()).abs().max().item()
-        gaps["param"] = max(gaps["param"], diff)
-    return gaps
+    batches = [((x,), {}, y) for x, y in _batches()]
+    return adamw_gaps(pipe, ref, batches, mse, part=lambda t: part(t, mesh), clip=0.5)
 
 
 def _layout(pipe: meshpipe.Pipeline) -> list[Any]:
@@ -97,7 +75,7 @@ def _parity(mesh: Any, mode: str | None, schedule: str, num_microbatches: int) -
 
 
 def _state(pipe: meshpipe.Pipeline) -> dict[str, torch.Tensor]:
-    return {n: _full(p) for n, p in pipe.named_parameters()}
+    return {n: full(p) for n, p in pipe.named_parameters()}
 
 
 def _errors() -> dict[str, str]:

@@ -38,7 +38,7 @@ import meshpipe
 from meshpipe import checkpoint as ck
 from meshpipe.testing import run_on_ranks
 
-from parity import blocks, dp_batch, mse, refusal
+from parity import adamw_gaps, blocks, dp_batch, full, mse, refusal
 
 pytestmark = pytest.mark.timeout(700)  # one spawn of 4 processes, run_on_ranks waits 600 s
 
@@ -85,42 +85,26 @@ def _chunk(t: torch.Tensor, rank: int, cp: int = 2) -> torch.Tensor:
     return torch.cat((parts[rank], parts[2 * cp - 1 - rank]), dim=1)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.full_tensor() if hasattr(t, "full_tensor") else t  # DTensor: collective
-    return t.detach().cpu().clone()
-
-
 def _train(
     pipe: meshpipe.Pipeline, ref: nn.Module, batches: Any, loss_fn: Any, mesh: Any = None
 ) -> dict[str, Any]:
     """3 AdamW steps with clipping on both; every process passes its replica's rows (the
-    whole batch without a ``mesh`` to take them from), whole sequences."""
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0, "grad": 0.0}
-    cp_bytes = []
-    for x, y in batches:
-        rows = (lambda t: t) if mesh is None else (lambda t: dp_batch(t, mesh))
-        loss = pipe.step(rows(x), target=rows(y))
+    whole batch without a ``mesh`` to take them from), whole sequences. Also the largest
+    gradient gap (before clipping) and each step's cp bytes."""
+    grads = {"grad": 0.0}
+    cp_bytes: list[Any] = []
+
+    def compare_grads() -> None:
         cp_bytes.append(pipe.comm_stats().get("cp_bytes"))
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
         for name, p in pipe.named_parameters():
             assert p.grad is not None, name
-            diff = (_full(p.grad) - ref.get_parameter(name).grad).abs().max().item()
-            gaps["grad"] = max(gaps["grad"], diff)
-        norm = pipe.clip_grad_norm_(0.5)
-        opt.step()
-        opt.zero_grad()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        gaps["loss"] = max(gaps["loss"], abs(float(loss) - ref_loss.item()))
-        gaps["norm"] = max(gaps["norm"], abs(float(norm) - ref_norm.item()))
-    for name, p in pipe.named_parameters():
-        diff = (_full(p) - ref.get_parameter(name).detach()).abs().max().item()
-        gaps["param"] = max(gaps["param"], diff)
-    return {**gaps, "cp_bytes": cp_bytes}
+            diff = (full(p.grad) - ref.get_parameter(name).grad).abs().max().item()
+            grads["grad"] = max(grads["grad"], diff)
+
+    rows = None if mesh is None else (lambda t: dp_batch(t, mesh))
+    whole = [((x,), {}, y) for x, y in batches]
+    gaps = adamw_gaps(pipe, ref, whole, loss_fn, part=rows, clip=0.5, after_backward=compare_grads)
+    return {**gaps, **grads, "cp_bytes": cp_bytes}
 
 
 def _seen(model: nn.Module) -> dict[str, list[Any]]:
@@ -159,7 +143,7 @@ def _llama_case(mesh: Any, root: str) -> dict[str, Any]:
     out["lengths"] = sorted(set(seen["lengths"]))
     out["layers"] = sum(1 for n, _ in pipe.named_parameters() if n.endswith("q_proj.weight"))
     ck.save(pipe, os.path.join(root, "llama_cp2"))
-    out["state"] = {n: _full(p) for n, p in pipe.named_parameters()}
+    out["state"] = {n: full(p) for n, p in pipe.named_parameters()}
     pipe.save_trace(os.path.join(root, "cp_trace.json"))
     # the cp=2 checkpoint into the same model on pp=2 x dp=2 (cp=1)
     pp_dp = meshpipe.init_mesh(pp=2, dp=2)
@@ -168,7 +152,7 @@ def _llama_case(mesh: Any, root: str) -> dict[str, Any]:
         example_args=(batches[0][0],), dp="fsdp",
     )  # fmt: skip
     ck.load(other, os.path.join(root, "llama_cp2"))
-    out["loaded"] = {n: _full(p) for n, p in other.named_parameters()}
+    out["loaded"] = {n: full(p) for n, p in other.named_parameters()}
     return out
 
 

@@ -36,17 +36,15 @@ from ep_models import (
     Skewed,
     ep_bytes_formula,
     expert_layout,
-    full,
     mixtral,
     moe_net,
-    mse,
     routes,
     train,
 )
 from meshpipe import checkpoint as ck
 from meshpipe.testing import run_on_ranks
 
-from parity import dp_batch, refusal
+from parity import adamw_gaps, dp_batch, full, mse, refusal
 
 # the first test waits for the world4 spawn (about 20 s alone, minutes on a loaded machine)
 pytestmark = pytest.mark.timeout(900)
@@ -187,24 +185,8 @@ def _mixtral(mesh: Any) -> dict[str, Any]:
         split_points=["model.layers.2"], example_args=(part(ids),),
         example_kwargs={"attention_mask": part(mask)},
     )  # fmt: skip
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0}
-    for ids, mask, target in batches:
-        loss = pipe.step(part(ids), attention_mask=part(mask), target=part(target))
-        norm = pipe.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = sm.lm_loss(ref(ids, attention_mask=mask), target)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        gaps["loss"] = max(gaps["loss"], abs(float(loss) - ref_loss.item()))
-        gaps["norm"] = max(gaps["norm"], abs(float(norm) - ref_norm.item()))
-    for name, p in pipe.named_parameters():
-        diff = (full(p) - ref.get_parameter(name).detach()).abs().max().item()
-        gaps["param"] = max(gaps["param"], diff)
+    whole = [((ids,), {"attention_mask": mask}, target) for ids, mask, target in batches]
+    gaps = adamw_gaps(pipe, ref, whole, sm.lm_loss, part=part, clip=1.0)
     meshes = {
         n: (p.device_mesh.mesh_dim_names, tuple(p.to_local().shape))
         for n, p in pipe.named_parameters()

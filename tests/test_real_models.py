@@ -20,6 +20,8 @@ from torch import nn
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
+from parity import adamw_gaps
+
 pytest.importorskip("transformers")
 
 ATOL = 2e-5
@@ -29,39 +31,12 @@ TP_PARAM_ATOL = 2e-4
 SEQS = (8, 12, 6)  # one sequence length per step
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t
-
-
 def _train(
     pipe: meshpipe.Pipeline, ref: nn.Module, loss_fn: Any, batches: list[Any], part: Any = None
 ) -> dict[str, Any]:
     """3 AdamW steps with clipping on both; the largest loss, norm and parameter gaps.
     ``part(tensor)``: this process's rows of a batch (dp replicas), default all of them."""
-    part = part or (lambda t: t)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = None
-    gaps = {"loss": 0.0, "norm": 0.0, "param": 0.0}
-    for args, kwargs, target in batches:
-        mine = {k: part(v) for k, v in kwargs.items()}
-        loss = pipe.step(*[part(a) for a in args], target=part(target), **mine)
-        if opt is None:  # a traced split exists from the first step on
-            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        norm = pipe.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = loss_fn(ref(*args, **kwargs), target)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        gaps["loss"] = max(gaps["loss"], abs(float(loss) - ref_loss.item()))
-        gaps["norm"] = max(gaps["norm"], abs(float(norm) - ref_norm.item()))
-    for name, p in pipe.named_parameters():
-        diff = (_full(p.detach()) - ref.get_parameter(name).detach()).abs().max().item()
-        gaps["param"] = max(gaps["param"], diff)
-    return gaps
+    return adamw_gaps(pipe, ref, batches, loss_fn, part=part, clip=1.0)
 
 
 def _lm_batches(seed: int = 1) -> list[Any]:
