@@ -11,7 +11,7 @@ from torch import nn
 
 import meshpipe
 
-from parity import adamw_gaps, mse
+from parity import Block, adamw_gaps, mse
 
 D = 16  # hidden size
 E = 4  # experts per MoE block
@@ -79,15 +79,7 @@ class Skewed(MoE):
         return x + self.experts(h, index, weights).reshape(x.shape)
 
 
-class Mlp(nn.Module):
-    def __init__(self, d: int = D) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 2 * d)
-        self.down = nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(self.ln(x))))
+Mlp = Block  # a dense block beside the MoE ones: parity's pre-norm residual MLP
 
 
 def moe_net(seed: int = 0) -> nn.Sequential:
