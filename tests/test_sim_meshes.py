@@ -180,3 +180,34 @@ def test_cli_file_schedule_checks_its_rank_count(
     assert "1 meshes but the schedule has 3 pipeline ranks" in capsys.readouterr().err
     assert main(["simulate", str(path), "--stage-meshes", "1;dp=2;tp=2"]) == 0
     assert "makespan: 13" in capsys.readouterr().out
+
+
+def test_axis_cost_adds_cp_and_ep_collectives_where_the_mesh_has_them() -> None:
+    s = get_schedule("1f1b", 2, 4)
+    meshes = [{"cp": 2}, {"dp": 2, "ep": 2}]
+    cost = stage_mesh_cost(
+        Cost(f=4, b=8, w=2), s, meshes, axis_cost={"cp": (0.5, 0.25), "ep": (0.125, 0.375)}
+    )
+    # stage 0: 2 processes (cp) and its K/V collectives; stage 1: 2 (dp) and its all-to-alls
+    assert cost.f == (2.0 + 0.5, 2.0 + 0.125)
+    assert cost.b == (4.0 + 0.25, 4.0 + 0.375)
+    assert cost.w == (1.0, 1.0)  # the weight gradients move nothing over cp or ep
+    plain = stage_mesh_cost(Cost(f=4, b=8, w=2), s, meshes)
+    assert plain.f == (2.0, 2.0)  # without axis_cost the collectives are free
+    slower = simulate(s, cost).makespan
+    assert slower > simulate(s, plain).makespan
+
+
+@pytest.mark.parametrize(
+    ("axis_cost", "message"),
+    [
+        ({"tp": (1.0, 1.0)}, "costs the axes"),
+        ({"cp": (1.0,)}, "must be \\(forward, backward\\)"),
+        ({"cp": (-1.0, 0.0)}, "finite numbers >= 0"),
+        ({"ep": (True, 0.0)}, "finite numbers >= 0"),
+    ],
+)
+def test_axis_cost_refuses_bad_values(axis_cost: object, message: str) -> None:
+    s = get_schedule("1f1b", 2, 4)
+    with pytest.raises(ValueError, match=message):
+        stage_mesh_cost(Cost(f=1, b=2), s, [{"cp": 2}, {}], axis_cost=axis_cost)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ __all__ = ["mesh_processes", "stage_mesh_cost"]
 # it: 1/cp of the attention too); its all-gathers of K and V are not counted
 MESH_AXES = ("dp_replicate", "dp", "cp", "tp")
 NO_PROCESSES = ("ep",)  # accepted, counts no processes
+COSTED_AXES = ("cp", "ep")  # axes whose collectives stage_mesh_cost can add (axis_cost)
 
 
 def _processes(rank: int, mesh: object) -> int:
@@ -73,14 +74,24 @@ def stage_mesh_cost(
     schedule: Schedule,
     meshes: Sequence[Mapping[str, int]],
     efficiency: float = 1.0,
+    axis_cost: Mapping[str, tuple[float, float]] | None = None,
 ) -> Cost:
-    """``cost`` with each stage's f, b (and w, when given) divided by its mesh's speedup.
+    """``cost`` with each stage's f, b (and w, when given) divided by its mesh's speedup,
+    plus the communication of its mesh's SPMD axes (``axis_cost``).
 
     Stage ``s`` runs on pp rank ``schedule.placement[s]``, whose mesh ``meshes[rank]`` has
     ``n = dp_replicate * dp * cp * tp`` processes; its times are divided by
     ``1 + (n - 1) * efficiency``
     (``efficiency`` 1 is linear scaling). The result has one value per stage for f, b and,
     when ``cost.w`` is not None, w; ``p2p`` is unchanged.
+
+    ``axis_cost`` maps ``"cp"`` or ``"ep"`` to ``(forward, backward)`` seconds that each F
+    and each B (its input-gradient part: w is unchanged) of a stage spends on that axis's
+    collectives when its mesh has the axis above 1: cp's all-gathers of K and V (forward)
+    and their reduce-scatters (backward); ep's all-to-alls of token rows, dispatch and
+    combine (both). docs/axes.md gives the bytes per step (``comm_stats()``'s ``cp_bytes``,
+    ``ep_bytes``); seconds are those bytes over the link's bandwidth, plus its latency
+    per collective.
 
     Raises ValueError naming the bad value when ``meshes`` does not have one entry per rank,
     a mesh has an unknown axis or a size that is not an int >= 1, ``efficiency`` is not in
@@ -97,7 +108,52 @@ def stage_mesh_cost(
     # per_stage expands scalars and checks the lengths; w > b is left to simulate()
     f, b, w = cost.per_stage(schedule.num_stages, split_backward=False)
 
-    def scaled(values: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(v / k for v, k in zip(values, speedup, strict=True))
+    extra_f, extra_b = _axis_seconds(axis_cost, meshes, schedule)
 
-    return replace(cost, f=scaled(f), b=scaled(b), w=None if cost.w is None else scaled(w))
+    def scaled(values: tuple[float, ...], extra: Sequence[float]) -> tuple[float, ...]:
+        return tuple(v / k + e for v, k, e in zip(values, speedup, extra, strict=True))
+
+    zero = (0.0,) * schedule.num_stages
+    return replace(
+        cost,
+        f=scaled(f, extra_f),
+        b=scaled(b, extra_b),
+        w=None if cost.w is None else scaled(w, zero),
+    )
+
+
+def _axis_seconds(
+    axis_cost: Mapping[str, tuple[float, float]] | None,
+    meshes: Sequence[Mapping[str, int]],
+    schedule: Schedule,
+) -> tuple[list[float], list[float]]:
+    """Per stage, the seconds its F and its B spend on its mesh's cp and ep collectives."""
+    f = [0.0] * schedule.num_stages
+    b = [0.0] * schedule.num_stages
+    if not axis_cost:
+        return f, b
+    if not isinstance(axis_cost, Mapping):
+        raise ValueError(
+            f"axis_cost must map 'cp' or 'ep' to (forward, backward) seconds, got {axis_cost!r}"
+        )
+    for axis, pair in axis_cost.items():
+        if axis not in COSTED_AXES:
+            raise ValueError(f"axis_cost names {axis!r}; it costs the axes {COSTED_AXES}")
+        ok = isinstance(pair, Sequence) and len(pair) == 2
+        values = [_as_seconds(axis, v) for v in pair] if ok else []
+        if not ok:
+            raise ValueError(
+                f"axis_cost[{axis!r}] must be (forward, backward) seconds, got {pair!r}"
+            )
+        for stage, rank in enumerate(schedule.placement):
+            if meshes[rank].get(axis, 1) > 1:
+                f[stage] += values[0]
+                b[stage] += values[1]
+    return f, b
+
+
+def _as_seconds(axis: str, value: object) -> float:
+    number = value if isinstance(value, Real) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(float(number)) and float(number) >= 0):
+        raise ValueError(f"axis_cost[{axis!r}]: seconds must be finite numbers >= 0, got {value!r}")
+    return float(number)
