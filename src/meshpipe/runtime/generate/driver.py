@@ -73,6 +73,13 @@ class _Rank:
         self.stopped: set[tuple[int, int]] = set()  # (stage, lane)
         self.busy = 0.0
         self.host_reads = 0  # stop flags read on the host (each one a sync on CUDA)
+        self._eos: torch.Tensor | None = None  # req.eos on the device, copied there once
+
+    def eos_on(self, device: torch.device) -> torch.Tensor:
+        """The EOS ids on ``device`` (one copy per call, not one per token)."""
+        if self._eos is None:
+            self._eos = torch.tensor(self.req.eos, dtype=torch.long, device=device)
+        return self._eos
 
     def where(self, stage: int) -> int:
         return self.order.placement[stage]
@@ -140,8 +147,7 @@ class _Rank:
         if req.pad is not None:  # rows already done get padding (Hugging Face's rule)
             tokens = tokens.masked_fill(lane.finished, req.pad)
         if req.eos:
-            eos = torch.tensor(req.eos, device=tokens.device)
-            lane.finished |= torch.isin(tokens, eos)
+            lane.finished |= torch.isin(tokens, self.eos_on(tokens.device))
         lane.tokens.append(tokens)
         lane.all_done.append(lane.finished.all())
         done = a.step + 1 >= req.max_new_tokens
@@ -151,7 +157,9 @@ class _Rank:
         if self.where(0) == self.rank:
             self.local[(0, a.lane)] = (tokens, done)
         else:
-            msg = torch.cat([tokens, torch.tensor([int(done)], device=tokens.device)])
+            # the flag by a fill on the device: a host-to-device copy would wait for the GPU
+            flag = torch.full((1,), int(done), dtype=tokens.dtype, device=tokens.device)
+            msg = torch.cat([tokens, flag])
             for peer in self.peers.senders(self.rank, self.where(0)):
                 self.ring.send(msg, peer)
 
