@@ -19,24 +19,28 @@ from parity import blocks, grad_diff, mse
 
 
 def _record_order(events: list[str]) -> None:
-    """Log, in this process, each all-reduce posted (the closing collective is the only one
-    of these steps) and each read of the peers' end markers."""
-    import torch.distributed as dist
-
+    """Log, in this process, each closing collective posted (the loss's, or forward's
+    status) and each read of the peers' end markers."""
+    import meshpipe.runtime.failures.closing as closing
+    import meshpipe.runtime.step.reduce as reduce
     from meshpipe.runtime.transfer.p2p import Comm
 
-    real_all_reduce, real_end = dist.all_reduce, Comm.end
+    real_sum, real_status, real_end = reduce._sum, closing.all_reduce_small, Comm.end
 
-    def all_reduce(*args: Any, **kwargs: Any) -> Any:
-        events.append("closing")
-        return real_all_reduce(*args, **kwargs)
+    def logged(real: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            events.append("closing")
+            return real(*args, **kwargs)
+
+        return run
 
     def end(self: Comm, seconds: float | None = None) -> None:
         if self._readers:  # markers still to read
             events.append("markers")
         real_end(self, seconds)
 
-    dist.all_reduce = all_reduce
+    reduce._sum = logged(real_sum)
+    closing.all_reduce_small = logged(real_status)
     Comm.end = end  # type: ignore[method-assign]
 
 

@@ -28,6 +28,7 @@ from meshpipe.runtime.checks.values import DeviceGather, Gathered, fingerprint, 
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.step.pytree import flatten
+from meshpipe.runtime.transfer.exchange import Exchange, exchanges
 from meshpipe.schedule.ir import Schedule
 
 __all__ = [
@@ -135,6 +136,10 @@ class Agreement:
         self._num_digests = len(self._mine)
         if values is not None:
             self._mine = torch.cat((self._mine, values))
+        self._exchange: Exchange | None = None
+        if exchanges(group, self._mine):  # point to point (runtime/transfer/exchange.py)
+            self._exchange = Exchange(group, self._mine, "the call check")
+            return
         self._every = [torch.empty_like(self._mine) for _ in range(size)]
         self._work = dist.all_gather(self._every, self._mine, group=group, async_op=True)
 
@@ -145,7 +150,10 @@ class Agreement:
         others = [r for r in range(self._size) if r != self._rank]
         try:
             name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
-            wait_work(self._work, self._timeout, "the call check", peer_name=name)
+            if self._exchange is not None:
+                self._every = self._exchange.wait(self._timeout, "the call check")
+            else:
+                wait_work(self._work, self._timeout, "the call check", peer_name=name)
         except CommTimeoutError as e:
             raise CommTimeoutError(
                 f"rank {self._rank} waited {self._timeout:.1f}s for pp rank(s) {others} to start "

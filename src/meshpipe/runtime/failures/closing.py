@@ -24,6 +24,7 @@ import torch.distributed as dist
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.runtime.step.reduce import reduce_loss
+from meshpipe.runtime.transfer.exchange import all_reduce_small, exchanges
 
 __all__ = ["closing_status", "failed_elsewhere", "join_failed", "reads_closing"]
 
@@ -82,7 +83,10 @@ def closing_status(pp_group: dist.ProcessGroup, failed: bool, timeout: float) ->
     """The closing collective of a step without a loss (``forward``), on a CPU pp group:
     how many processes of the pp group failed in the step (each joins with ``failed``)."""
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-    if dist.get_world_size(pp_group) > 1:
+    what = "the closing all-reduce of the step over pp"
+    if exchanges(pp_group, flag):  # point to point (runtime/transfer/exchange.py)
+        all_reduce_small(flag, pp_group, timeout, what)
+    elif dist.get_world_size(pp_group) > 1:
         work = dist.all_reduce(flag, group=pp_group, async_op=True)
-        wait_work(work, timeout, "the closing all-reduce of the step over pp")
+        wait_work(work, timeout, what)
     return int(flag.item())

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from meshpipe.parallel.buckets import buckets
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded, wait_work
 from meshpipe.runtime.step.stage import LossRecord
+from meshpipe.runtime.transfer.exchange import all_reduce_small, exchanges
 
 __all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
 
@@ -108,17 +109,30 @@ def _share(
     ``pp_group`` (the world), dp size 1. Waits are host waits on CPU, stream waits under
     the watchdog on CUDA."""
     if stage_meshes:
-        work = dist.all_reduce(buf, group=pp_group, async_op=True)
-        wait_bounded(work, timeout, f"the {what} all-reduce over the stage meshes", watchdog)
+        _sum(buf, pp_group, f"the {what} all-reduce over the stage meshes", timeout, watchdog)
         return 1
     if dist.get_world_size(pp_group) > 1:  # an all-reduce: any rank may flag a failure
-        work = dist.all_reduce(buf, group=pp_group, async_op=True)
-        wait_bounded(work, timeout, f"the {what} all-reduce over pp", watchdog)
+        _sum(buf, pp_group, f"the {what} all-reduce over pp", timeout, watchdog)
     if dp_group is None:
         return 1
-    work = dist.all_reduce(buf, group=dp_group, async_op=True)
-    wait_bounded(work, timeout, f"the {what} all-reduce over dp", watchdog)
+    _sum(buf, dp_group, f"the {what} all-reduce over dp", timeout, watchdog)
     return dist.get_world_size(dp_group)
+
+
+def _sum(
+    buf: torch.Tensor,
+    group: dist.ProcessGroup,
+    what: str,
+    timeout: float,
+    watchdog: Watchdog | None,
+) -> None:
+    """``buf`` summed over ``group``, bounded: point to point on a small CPU group
+    (runtime/transfer/exchange.py), else an all-reduce."""
+    if exchanges(group, buf):
+        all_reduce_small(buf, group, timeout, what)
+        return
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    wait_bounded(work, timeout, what, watchdog)
 
 
 def reduce_grads(
