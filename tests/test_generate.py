@@ -118,6 +118,32 @@ def _sampled(
     return out.tolist()  # type: ignore[no-any-return]
 
 
+def _trace(mesh: Any) -> dict[str, Any]:
+    """generate(trace=...): a Chrome trace of the decode actions, a row per process with its
+    busy fraction (global rank 0 writes it)."""
+    import json
+    import os
+    import tempfile
+
+    import split_models as sm
+
+    torch.manual_seed(0)
+    pipe = meshpipe.Pipeline(sm.llama(4).eval(), mesh, "1f1b", 2, split_points=_points("llama", 4))
+    ids, mask, _ = sm.tokens(batch=4, seq=5, seed=4)
+    path = os.path.join(tempfile.gettempdir(), f"meshpipe-decode-{os.environ['MASTER_PORT']}.json")
+    pipe.generate(ids, 4, attention_mask=mask, trace=path)
+    if torch.distributed.get_rank() != 0:
+        return {}
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(path)
+    names = [
+        e["args"]["name"] for e in events if e.get("ph") == "M" and "name" in e.get("args", {})
+    ]
+    actions = [e["name"] for e in events if e.get("ph") == "X"]
+    return {"rows": names, "actions": actions}
+
+
 def _refusal(fn: Any) -> str:
     try:
         fn()
@@ -192,6 +218,7 @@ def _worker() -> dict[str, Any]:
         "pp2 tp2": _sampled(tp2, 2, None, seed=7, tp_plan="auto"),
         "stage meshes": _sampled(staged, 2, None, seed=7, tp_plan="auto"),
     }
+    res["trace"] = _trace(pp4)
     res["train"] = _train_after_generate(pp4)
     res["errors"] = _errors(pp4)
     return res
@@ -255,3 +282,13 @@ def test_decode_order_keeps_every_rank_on_another_lane() -> None:
         assert len(lanes) == 4, t
     vshape = decode_order([0, 1, 1, 0], num_lanes=2, num_steps=2)
     assert sorted(a.stage for a in vshape.actions[0]) == [0] * 6 + [3] * 6
+
+
+def test_decode_trace_names_each_process_and_its_busy_fraction() -> None:
+    trace = _results()[0]["trace"]
+    busy_rows = [n for n in trace["rows"] if " busy " in n]
+    assert len(busy_rows) == 4, trace["rows"]  # one row per process, with its busy fraction
+    assert all(n.startswith(f"process {r} (pp {r}") for r, n in enumerate(busy_rows)), busy_rows
+    # 4 stages x 4 lanes x (prefill + 3 decode steps), each action on its rank
+    assert len(trace["actions"]) == 4 * 4 * 4, len(trace["actions"])
+    assert {a.split("L")[0] for a in trace["actions"]} == {"0", "1", "2", "3"}

@@ -6,7 +6,7 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,8 @@ class GenStats:
     ring_s: float = 0.0
     num_lanes: int = 0
     host_reads: int = 0  # stop flags read on the host during decode (syncs on CUDA)
+    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
+    start: float = 0.0  # when the ring began (perf_counter)
 
 
 last_stats = GenStats()
@@ -102,6 +104,7 @@ def generate(
     pad_token_id: int | None = None,
     num_lanes: int | None = None,
     stop_check_every: int | None = None,
+    trace: str | None = None,
 ) -> torch.Tensor:
     """(batch, prompt + new) token ids on every rank; see Pipeline.generate."""
     topo = target.topology
@@ -139,14 +142,17 @@ def generate(
     order = decode_order(target.schedule.placement, len(lanes), max_new_tokens)
     peers = _peers(topo)
     t0 = time.perf_counter()
-    busy, reads = 0.0, 0
+    last_stats.busy_s, last_stats.host_reads, last_stats.events = 0.0, 0, []
     if peers.index >= 0:  # on the ring (a stage mesh's other dp coordinates wait)
         ring = Ring(topo.pp_group, topo.layout.ranks, topo.layout.me, target.timeout)
-        busy, reads = run_ring(order, peers, stages, lanes, ring, req)
-    last_stats.busy_s, last_stats.ring_s = busy, time.perf_counter() - t0
-    last_stats.host_reads = reads
+        state = run_ring(order, peers, stages, lanes, ring, req)
+        last_stats.busy_s, last_stats.host_reads = state.busy, state.host_reads
+        last_stats.events = state.events
+    last_stats.start, last_stats.ring_s = t0, time.perf_counter() - t0
     last_stats.num_lanes = len(lanes)
     new = _share_tokens(target, lanes, pad, peers)
+    if trace is not None:
+        save_decode_trace(trace, topo.coords)
     return torch.cat([input_ids, new.to(input_ids.device, input_ids.dtype)], dim=1)
 
 
@@ -221,3 +227,25 @@ def _broadcast(t: torch.Tensor, src: int, target: GenTarget, what: str) -> None:
             f"rank {topo.pp_rank}: generate() receiving {what} from global rank {src} not done "
             f"within {target.timeout}s", rank=topo.pp_rank,
         ) from e  # fmt: skip
+
+
+def save_decode_trace(path: str, coords: Mapping[str, int]) -> None:
+    """The last generate() call's decode actions of every process as one Chrome trace,
+    each row labelled with its busy fraction (collective over the default group; global
+    rank 0 writes ``path``)."""
+    from meshpipe.sim.render import chrome_trace, save_chrome_trace
+
+    st = last_stats
+    rows = [(name, a, b, {"busy_s": b - a}) for name, a, b in st.events]
+    busy = st.busy_s / st.ring_s if st.ring_s > 0 else 0.0
+    where = ", ".join(f"{axis} {c}" for axis, c in coords.items())
+    rank = dist.get_rank()
+    mine = (f"process {rank} ({where}) busy {busy:.2f}", st.start, rows)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        t0 = min(start for _, start, _ in gathered)
+        shifted = [[(n, a - t0, b - t0, args) for n, a, b, args in per] for _, _, per in gathered]
+        labels = [label for label, _, _ in gathered]
+        trace = chrome_trace(shifted, metadata={"schedule": "decode ring"}, labels=labels)
+        save_chrome_trace(trace, path)

@@ -73,6 +73,7 @@ class _Rank:
         self.stopped: set[tuple[int, int]] = set()  # (stage, lane)
         self.busy = 0.0
         self.host_reads = 0  # stop flags read on the host (each one a sync on CUDA)
+        self.events: list[tuple[str, float, float]] = []  # (action, start, end) computed
         self._eos: torch.Tensor | None = None  # req.eos on the device, copied there once
 
     def eos_on(self, device: torch.device) -> torch.Tensor:
@@ -187,7 +188,9 @@ class _Rank:
             self.pass_on(a, payload)
         else:
             self.sample(a, payload)
-        self.busy += time.perf_counter() - t0
+        end = time.perf_counter()
+        self.busy += end - t0
+        self.events.append((str(a), t0, end))
 
     def first_stage_input(self, a: DecodeAction, lane: Lane) -> Payload | None:
         stage = self.stages[0]
@@ -201,9 +204,9 @@ class _Rank:
 
 
 def run_ring(order: DecodeOrder, peers: Peers, stages: dict[int, GenStage], lanes: list[Lane],
-             ring: Ring, req: Request) -> tuple[float, int]:  # fmt: skip
-    """Run this rank's actions; returns the seconds it spent computing (busy time) and the
-    stop flags it read on the host."""
+             ring: Ring, req: Request) -> _Rank:  # fmt: skip
+    """Run this rank's actions; returns its state: ``busy`` (seconds computing),
+    ``host_reads`` (stop flags read on the host), ``events`` (each action's times)."""
     state = _Rank(order, peers, stages, lanes, ring, req)
     with torch.no_grad():
         for a in order.actions[peers.me]:
@@ -212,7 +215,7 @@ def run_ring(order: DecodeOrder, peers: Peers, stages: dict[int, GenStage], lane
     if req.every > 1:
         for lane in lanes:
             trim(lane)
-    return state.busy, state.host_reads
+    return state
 
 
 def trim(lane: Lane) -> None:

@@ -503,7 +503,8 @@ class Pipeline:
         ``attention_mask``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
         ``eos_token_id``, ``pad_token_id``, ``num_lanes`` (default: the pp size),
         ``stop_check_every`` (read the lanes' stop every k tokens; default 1 on CPU, 8 on
-        CUDA). Same call
+        CUDA), ``trace`` (a path: the decode actions of every process as a Chrome trace,
+        each row with its busy fraction). Same call
         on every rank; no gradients, parameters and train/eval mode untouched."""
         refuse(self._cp, "generate()")
         target = GenTarget(
