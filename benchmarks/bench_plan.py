@@ -10,6 +10,7 @@ predicted/measured, and, under a cap, the measured peak bytes (``pipe.memory_sta
 against the cap and the prediction.
 
     .venv/bin/python benchmarks/bench_plan.py [--world 2] [--steps 12] [--json out.json]
+        [--measure-p2p] [--overhead SECONDS_PER_ACTION]
 """
 
 from __future__ import annotations
@@ -153,7 +154,9 @@ def _label(d: dict[str, Any]) -> str:
     )
 
 
-def run_case(case: str, world: int, steps: int, cap_share: float | None) -> dict[str, Any]:
+def run_case(
+    case: str, world: int, steps: int, cap_share: float | None, **machine: Any
+) -> dict[str, Any]:
     torch.set_num_threads(1)  # the profile runs as each rank will: one thread
     model, args, target, loss_fn = model_case(case)
     cap = None
@@ -161,7 +164,9 @@ def run_case(case: str, world: int, steps: int, cap_share: float | None) -> dict
         static = sum(4 * 4 * p.numel() for p in model.parameters())  # params, grads, AdamW
         cap = int(static * cap_share)
     t0 = time.perf_counter()
-    plan = meshpipe.plan(model, args, target, loss_fn, world_size=world, memory_per_rank=cap)
+    plan = meshpipe.plan(
+        model, args, target, loss_fn, world_size=world, memory_per_rank=cap, **machine
+    )
     planning = time.perf_counter() - t0
     print(plan, flush=True)
     pp = world
@@ -203,11 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--cases", default="lm,heavy,capped")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--measure-p2p", action="store_true", help="plan with the p2p link measured first"
+    )
+    ap.add_argument(
+        "--overhead", type=float, default=None, help="the planner's seconds per action"
+    )
     args = ap.parse_args(argv)
     out = []
     for case in args.cases.split(","):
         share = 0.75 if case == "capped" else None
-        s = run_case(case, args.world, args.steps, share)
+        machine: dict[str, Any] = {"measure_p2p": args.measure_p2p}
+        if args.overhead is not None:
+            machine["overhead"] = args.overhead
+        s = run_case(case, args.world, args.steps, share, **machine)
         out.append(s)
         print(f"\n## {case}, {args.world} ranks" + (f", cap {s['cap']} B" if s["cap"] else ""))
         print("| config | measured ms | predicted ms | peak bytes |")

@@ -35,6 +35,7 @@ def test_measured_link_is_plausible_and_the_planner_uses_it(
     # tens of MB/s to tens of GB/s
     assert 1e-7 < link.latency < 0.05, link
     assert 1e7 < link.bandwidth < 1e11, link
+    assert 1e7 < link.allreduce_bandwidth < 1e11, link  # an 8 MiB all-reduce
     sizes = [n for n, _ in link.points]
     assert sizes == [8, 1 << 20, 4 << 20]
     big, small = link.points[-1][1], link.points[0][1]
@@ -51,5 +52,6 @@ def test_measured_link_is_plausible_and_the_planner_uses_it(
     measured = meshpipe.plan(model, (x,), y, loss_fn, world_size=2, measure_p2p=True, repeats=1)
     assert measured.assumptions["p2p_latency"] == link.latency
     assert measured.assumptions["p2p_bandwidth"] == link.bandwidth
+    assert measured.assumptions["dp_bandwidth"] == link.allreduce_bandwidth
     default = meshpipe.plan(model, (x,), y, loss_fn, world_size=2, repeats=1)
     assert default.assumptions["p2p_latency"] == 1e-4  # the documented default

@@ -70,9 +70,10 @@ def plan(
     ``measured=``), and each piece's f, i and w are scaled by its stage's measured /
     predicted ratio before the search (``meshpipe.plan.calibrate``; docs/plan.md).
 
-    ``measure_p2p=True`` measures ``p2p_latency`` and ``p2p_bandwidth`` between two local
-    processes first (``meshpipe.plan.link.measure_link``: a few seconds; CUDA when this
-    machine has two GPUs, else CPU and gloo) instead of taking the arguments.
+    ``measure_p2p=True`` measures ``p2p_latency``, ``p2p_bandwidth`` and ``dp_bandwidth``
+    (an all-reduce of 8 MiB) between two local processes first
+    (``meshpipe.plan.link.measure_link``: a few seconds; CUDA when this machine has two
+    GPUs, else CPU and gloo) instead of taking the arguments.
     """
     _check_int("world_size", world_size)
     _check_int("max_microbatches", max_microbatches)
@@ -92,6 +93,8 @@ def plan(
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
         link = measure_link("cuda" if cuda else "cpu")
         p2p_latency, p2p_bandwidth = link.latency, link.bandwidth
+        if link.allreduce_bandwidth > 0:
+            dp_bandwidth = link.allreduce_bandwidth
     settings = Settings(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
         p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,

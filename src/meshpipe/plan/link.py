@@ -2,9 +2,10 @@
 
 ``measure_link()`` starts two local processes (``meshpipe.testing.run_on_ranks``: gloo on
 CPU, NCCL on CUDA when there are two GPUs) that bounce tensors of a few sizes, and fits
-``one-way seconds = latency + bytes / bandwidth`` to the medians (least squares). The
-planner uses it for ``meshpipe.plan(..., measure_p2p=True)`` and ``meshpipe plan
---measure-p2p`` in place of the documented defaults (100 us, 2 GB/s). What it measures is
+``one-way seconds = latency + bytes / bandwidth`` to the medians (least squares); then they
+time an all-reduce of 8 MiB (the gradients' collective). The planner uses both for
+``meshpipe.plan(..., measure_p2p=True)`` and ``meshpipe plan --measure-p2p`` in place of
+the documented defaults (100 us, 2 GB/s; 2 GB/s for the all-reduce). What it measures is
 this machine's link between two of its processes, not the link between nodes.
 """
 
@@ -25,6 +26,7 @@ __all__ = ["LinkCost", "measure_link"]
 log = logging.getLogger(__name__)
 
 SIZES = (8, 64 << 10, 1 << 20, 4 << 20)  # bytes per message
+ALLREDUCE_BYTES = 8 << 20  # the gradient all-reduce timed for the planner's dp_bandwidth
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class LinkCost:
     latency: float
     bandwidth: float
     points: tuple[tuple[int, float], ...] = ()
+    # bytes per second of a gradient all-reduce between the two (``2 (n-1)/n x bytes``
+    # over its seconds, n = 2): the planner's ``dp_bandwidth``; 0 when not measured
+    allreduce_bandwidth: float = 0.0
 
     def seconds(self, nbytes: int) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -67,6 +72,17 @@ def _bounce(sizes: Sequence[int], repeats: int, device: str) -> list[tuple[int, 
             if i >= 2:
                 times.append((time.perf_counter() - t0) / 2)
         out.append((buf.numel() * 4, statistics.median(times)))
+    grads = torch.zeros(ALLREDUCE_BYTES // 4, dtype=torch.float32, device=dev)
+    times = []
+    for i in range(max(3, repeats // 4) + 1):  # one warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(grads)
+        if device == "cuda":
+            torch.cuda.synchronize(dev)
+        if i >= 1:
+            times.append(time.perf_counter() - t0)
+    out.append((-ALLREDUCE_BYTES, statistics.median(times)))  # marked by its sign
     dist.destroy_process_group()
     return out
 
@@ -104,9 +120,14 @@ def measure_link(
     points = run_on_ranks(_bounce, 2, list(sizes), repeats, device, timeout=timeout, device=device)[
         0
     ]
+    allreduce = [(-n, sec) for n, sec in points if n < 0]
+    points = [(n, sec) for n, sec in points if n > 0]
     latency, bandwidth = _fit(points)
+    reduce_bw = allreduce[0][0] / allreduce[0][1] if allreduce else 0.0  # 2 (n-1)/n = 1
     log.info(
-        "p2p link measured in %.1f s: latency %.1f us, bandwidth %.2f GB/s",
-        time.perf_counter() - t0, latency * 1e6, bandwidth / 1e9,
+        "p2p link measured in %.1f s: latency %.1f us, bandwidth %.2f GB/s; all-reduce "
+        "%.2f GB/s", time.perf_counter() - t0, latency * 1e6, bandwidth / 1e9, reduce_bw / 1e9,
     )  # fmt: skip
-    return LinkCost(latency, bandwidth, tuple((int(n), float(s)) for n, s in points))
+    return LinkCost(
+        latency, bandwidth, tuple((int(n), float(s)) for n, s in points), float(reduce_bw)
+    )
