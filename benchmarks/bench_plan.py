@@ -121,26 +121,42 @@ def _measure(case: str, configs: list[dict[str, Any]], steps: int) -> list[dict[
         pipe = meshpipe.Pipeline.from_plan(
             cfg, copy.deepcopy(base), loss_fn=loss_fn, example_args=args
         )
+        mine = _rows(pipe, args, target)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
-        pipe.step(*args, target=target)
+        pipe.step(*mine[0], target=mine[1])
         opt.step()  # optimizer state exists from here on
         pipe.zero_grad(set_to_none=False)
-        pipes.append((pipe, opt))
+        pipes.append((pipe, opt, mine))
     times: list[list[float]] = [[] for _ in configs]
     for _ in range(steps):
-        for k, (pipe, _opt) in enumerate(pipes):
+        for k, (pipe, _opt, mine) in enumerate(pipes):
             dist.barrier()
             t0 = time.perf_counter()
-            pipe.step(*args, target=target)
+            pipe.step(*mine[0], target=mine[1])
             times[k].append(time.perf_counter() - t0)
             pipe.zero_grad(set_to_none=False)
     out = []
-    for k, (pipe, opt) in enumerate(pipes):
+    for k, (pipe, opt, mine) in enumerate(pipes):
         pipe.track_memory()  # one more step, measured (the ledger costs a little time)
-        pipe.step(*args, target=target)
+        pipe.step(*mine[0], target=mine[1])
         stats = pipe.memory_stats(optimizer=opt)
         out.append({"time": statistics.median(times[k]), "peak": stats["peak"]})
     return out
+
+
+def _rows(pipe: meshpipe.Pipeline, args: tuple[Any, ...], target: Any) -> tuple[Any, Any]:
+    """This process's inputs and target: on one mesh with dp replicas, its replica's rows
+    (each replica takes its slice of the global batch); on stage meshes the whole batch
+    (the meshes cut the rows themselves)."""
+    topo = pipe.topology
+    replicas = topo.dp_size // topo.cp_size
+    if topo.stage_meshes or replicas == 1:
+        return args, target
+
+    def part(t: Any) -> Any:
+        return torch.tensor_split(t, replicas)[topo.dp_index] if torch.is_tensor(t) else t
+
+    return tuple(part(a) for a in args), part(target)
 
 
 def _label(d: dict[str, Any]) -> str:
