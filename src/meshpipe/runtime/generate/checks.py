@@ -20,6 +20,11 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _shape_or_type(value: Any) -> object:
+    """A tensor's shape, or the type name of anything else (for error messages)."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 def check_prompt(
     input_ids: Any, attention_mask: Any, max_new_tokens: Any, config: Any
 ) -> torch.Tensor:
@@ -29,13 +34,9 @@ def check_prompt(
         or input_ids.dim() != 2
         or input_ids.is_floating_point()
     ):
-        what = (
-            tuple(input_ids.shape)
-            if isinstance(input_ids, torch.Tensor)
-            else type(input_ids).__name__
-        )
         raise PipelineError(
-            f"generate() takes input_ids as a (batch, prompt) integer tensor, got {what}"
+            "generate() takes input_ids as a (batch, prompt) integer tensor, got "
+            f"{_shape_or_type(input_ids)}"
         )
     rows, slots = input_ids.shape
     if rows == 0 or slots == 0:
@@ -58,14 +59,9 @@ def check_prompt(
     if attention_mask is None:
         return torch.ones_like(input_ids)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        what = (
-            tuple(attention_mask.shape)
-            if isinstance(attention_mask, torch.Tensor)
-            else type(attention_mask).__name__
-        )
         raise PipelineError(
             f"generate(): attention_mask should have the shape of input_ids {(rows, slots)}, "
-            f"got {what}"
+            f"got {_shape_or_type(attention_mask)}"
         )
     if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         raise PipelineError(
