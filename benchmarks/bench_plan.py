@@ -228,13 +228,19 @@ def main(argv: list[str] | None = None) -> int:
         "--measure-p2p", action="store_true", help="plan with the p2p link measured first"
     )
     ap.add_argument(
+        "--measure-machine", action="store_true",
+        help="plan with the machine measured first (slowdown, overheads, DDP's reduction)",
+    )
+    ap.add_argument(
         "--overhead", type=float, default=None, help="the planner's seconds per action"
     )
     args = ap.parse_args(argv)
     out = []
     for case in args.cases.split(","):
         share = 0.75 if case == "capped" else None
-        machine: dict[str, Any] = {"measure_p2p": args.measure_p2p}
+        machine: dict[str, Any] = {
+            "measure_p2p": args.measure_p2p, "measure_machine": args.measure_machine
+        }
         if args.overhead is not None:
             machine["overhead"] = args.overhead
         s = run_case(case, args.world, args.steps, share, **machine)

@@ -45,11 +45,14 @@ def plan(
     p2p_bandwidth: float = 2e9,
     dp_bandwidth: float = 2e9,
     overhead: float = 5e-5,
+    step_overhead: float = 0.0,
+    slowdown: float = 1.0,
     repeats: int = 3,
     profile: Profile | None = None,
     num_runners_up: int = 5,
     measured: Any = None,
     measure_p2p: bool = False,
+    measure_machine: bool = False,
 ) -> Plan:
     """The fastest predicted way to train ``model`` on ``world_size`` processes within
     ``memory_per_rank`` bytes per process (None: no cap), with runners-up.
@@ -74,12 +77,25 @@ def plan(
     (an all-reduce of 8 MiB) between two local processes first
     (``meshpipe.plan.link.measure_link``: a few seconds; CUDA when this machine has two
     GPUs, else CPU and gloo) instead of taking the arguments.
+
+    ``measure_machine=True`` measures the link as ``measure_p2p`` does, then starts
+    ``world_size`` local processes on the profile's device and measures, with the runtime
+    itself, what a profile in one process does not see (``meshpipe.plan.machine``): the
+    compute ``slowdown`` when every process runs at once, the runtime's ``overhead`` per
+    action and ``step_overhead`` per step, and ``dp_bandwidth`` as DDP's reduction
+    overlapped with a backward costs it. The arguments of the same names are the figures
+    used otherwise (documented defaults; ``slowdown`` multiplies the profile's times).
     """
     _check_int("world_size", world_size)
     _check_int("max_microbatches", max_microbatches)
     _check_int("repeats", repeats)
     if memory_per_rank is not None:
         _check_int("memory_per_rank", memory_per_rank)
+    if not slowdown > 0 or step_overhead < 0 or overhead < 0:
+        raise PlanError(
+            f"slowdown must be > 0 and the overheads >= 0, got slowdown={slowdown!r}, "
+            f"overhead={overhead!r}, step_overhead={step_overhead!r}"
+        )
     if profile is None:
         args = tuple(example_args) if isinstance(example_args, list | tuple) else (example_args,)
         profile = profile_model(
@@ -87,7 +103,7 @@ def plan(
         )
     elif not isinstance(profile, Profile):
         raise PlanError(f"profile must be a meshpipe.plan.Profile, got {type(profile).__name__}")
-    if measure_p2p:
+    if measure_p2p or measure_machine:
         from meshpipe.plan.link import measure_link
 
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -95,9 +111,17 @@ def plan(
         p2p_latency, p2p_bandwidth = link.latency, link.bandwidth
         if link.allreduce_bandwidth > 0:
             dp_bandwidth = link.allreduce_bandwidth
+    if measure_machine and world_size > 1:
+        from meshpipe.plan.machine import measure_machine as measure_on
+
+        device = "cuda" if profile.device.startswith("cuda") else "cpu"
+        machine = measure_on(world_size, device, p2p_latency=p2p_latency)
+        overhead, step_overhead = machine.overhead, machine.step_overhead
+        slowdown, dp_bandwidth = machine.slowdown, machine.dp_bandwidth
     settings = Settings(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
         p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,
+        slowdown=slowdown, step_overhead=step_overhead,
     )  # fmt: skip
     if measured is not None:
         from meshpipe.plan.calibrate import calibrated_profile

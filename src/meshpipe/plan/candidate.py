@@ -4,7 +4,7 @@ Stage costs come from the profile's pieces at the stage's rows per microbatch (`
 (dp * mb)``, and over a stage mesh's dp). Checkpointing is switched on per stage only where
 the memory cap requires it. The simulator (``meshpipe.simulate``) gives the step's
 makespan; the data-parallel gradient reduction of each rank is added after its last
-action. No torch.
+action, and the runtime's fixed cost per step (``Settings.step_overhead``). No torch.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class Settings:
     overhead: float = 5e-5  # seconds the runtime adds per action
     tp_efficiency: float = 0.8  # speedup of tp t is 1 + (t - 1) * efficiency
     fsdp: bool = False
+    slowdown: float = 1.0  # the profile's times x this: processes sharing the machine's cores
+    step_overhead: float = 0.0  # seconds the runtime adds per step (call check, closing)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -58,6 +60,8 @@ class Settings:
             "dp_bandwidth": self.dp_bandwidth,
             "overhead": self.overhead,
             "tp_efficiency": self.tp_efficiency,
+            "slowdown": self.slowdown,
+            "step_overhead": self.step_overhead,
         }
 
 
@@ -135,7 +139,7 @@ def judge(
     rows_mb = profile.batch_size / (layout.dp * mb)
     sums = _Sums(profile)
     rank_of = sched.placement
-    speed_tp = 1.0 + (layout.tp - 1) * st.tp_efficiency
+    speed_tp = (1.0 + (layout.tp - 1) * st.tp_efficiency) / st.slowdown
     shards = [layout.tp * (layout.dp_of(r) if st.fsdp else 1) for r in range(pp)]
     inflight = [held_peak(sched, r, [1.0] * sched.num_stages) for r in range(pp)]
     cap = st.memory_per_rank
@@ -239,6 +243,6 @@ def _step_time(
             own = sched.stages_of(r)
             grads = sum(sums.grads[bounds[s + 1]] - sums.grads[bounds[s]] for s in own)
             end += st.p2p_latency + 2 * (d - 1) / d * grads / layout.tp / st.dp_bandwidth
-        step = max(step, end)
+        step = max(step, end + st.step_overhead)
     ws = w if w is not None else [0.0] * len(f)
     return step, tuple(zip(f, b, ws)), p2p

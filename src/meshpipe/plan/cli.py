@@ -48,6 +48,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--measure-p2p", action="store_true",
         help="measure the p2p latency and bandwidth between two local processes first",
     )  # fmt: skip
+    p.add_argument(
+        "--measure-machine", action="store_true",
+        help="also measure, with WORLD_SIZE local processes running the runtime, the "
+        "compute slowdown, the overhead per action and per step, and DDP's reduction",
+    )  # fmt: skip
 
 
 def _load_factory(spec: str) -> Any:
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         model, inputs if isinstance(inputs, tuple) else (inputs,), target, loss_fn,
         world_size=args.world_size, memory_per_rank=args.memory,
         stage_meshes=args.stage_meshes, max_microbatches=args.max_microbatches,
-        measure_p2p=args.measure_p2p, **schedules,
+        measure_p2p=args.measure_p2p, measure_machine=args.measure_machine, **schedules,
     )  # fmt: skip
     print(plan)
     print("split points: " + (", ".join(plan.split_points) or "none"))

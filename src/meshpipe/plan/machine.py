@@ -1,0 +1,267 @@
+"""The machine the plan will run on, measured with the runtime itself: what a profile in one
+process does not see.
+
+``measure_machine(num_processes)`` starts that many local processes (as the job will run:
+CPU and gloo, or one GPU each with NCCL) and measures, all of them running at once:
+
+- **slowdown**: a fixed workload (a matmul and a memory-bound pass) timed in one process
+  while the others wait, then in every process at once; the ratio of the medians. On a CPU
+  whose cores the ranks share it is well above 1; the planner multiplies the profile's
+  times by it.
+- **overhead and step_overhead**: ``meshpipe.Pipeline`` steps of small MLP stages (about
+  1 ms of compute each on a CPU core; 1f1b, every process one pp rank) at two microbatch
+  counts, and the stage's forward and backward timed alone in every process at once;
+  ``seconds = step_overhead + makespan(f + overhead, b + overhead, p2p latency)`` (the
+  simulator's) is solved from the two medians: the runtime's seconds per action (its
+  Python work, what posting and waiting for transfers costs beyond the compute they
+  overlap) and per step (the call check, the closing exchange).
+- **dp_bandwidth**: the gradient reduction as DDP does it, overlapped with a backward: a
+  model of ``REDUCE_BYTES`` of gradients, its forward and backward timed plain and under
+  DDP over every process; ``2 (n-1)/n x bytes`` over the difference. On a CPU the
+  reduction takes cores from the backward, which an all-reduce timed alone does not show.
+
+The link (latency, bandwidth) comes from ``meshpipe.plan.link.measure_link``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshpipe.plan.errors import PlanError
+from meshpipe.schedule.registry import get_schedule
+from meshpipe.sim.simulate import Cost, simulate
+
+__all__ = ["MachineCost", "measure_machine"]
+
+log = logging.getLogger(__name__)
+
+REDUCE_BYTES = 8 << 20  # gradients of the DDP probe
+PROBE_MICROBATCHES = (1, 4)  # per pp rank: the two step sizes the runtime is timed at
+PROBE_WIDTH, PROBE_DEPTH, PROBE_ROWS = (
+    256,
+    4,
+    32,
+)  # each probe stage: about 1 ms of compute on one CPU core
+ALONE_SECONDS = 0.3  # at most this long for rank 0's workload alone
+
+
+@dataclass(frozen=True)
+class MachineCost:
+    """What ``measure_machine`` found (seconds, bytes per second, a ratio)."""
+
+    num_processes: int
+    slowdown: float
+    overhead: float
+    step_overhead: float
+    dp_bandwidth: float
+    points: tuple[tuple[int, float], ...] = ()  # (microbatches, step seconds) of the probe
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _median_time(fn: Any, repeats: int, barrier: Any) -> float:
+    times = []
+    for i in range(repeats + 1):  # one warm-up
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _workload(device: torch.device) -> Any:
+    a = torch.randn(192, 192, device=device)
+    big = torch.randn(1 << 19, device=device)
+
+    def run() -> None:
+        for _ in range(8):
+            a @ a
+        for _ in range(4):
+            (big * 1.0001).add_(1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return run
+
+
+def _slowdown(device: torch.device, repeats: int) -> float | None:
+    """Rank 0's workload alone against every process running it at once; None on the other
+    ranks. While rank 0 runs alone the others sleep (a barrier's wait may spin on a core)."""
+    import torch.distributed as dist
+
+    run = _workload(device)
+    run()  # warm-up
+    dist.barrier()
+    alone: list[float] = []
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        while len(alone) < repeats and time.perf_counter() - start < ALONE_SECONDS:
+            t0 = time.perf_counter()
+            run()
+            alone.append(time.perf_counter() - t0)
+    else:
+        time.sleep(ALONE_SECONDS * 1.5)
+    together = _median_time(run, repeats, dist.barrier)
+    return together / statistics.median(alone) if alone else None
+
+
+def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
+    """A pipeline over every process (pp = n, 1f1b) of small MLP stages: the stage's forward
+    and forward + backward timed in every process at once (as the pipeline runs them),
+    then the step at two microbatch counts."""
+    import torch.distributed as dist
+
+    import meshpipe
+
+    n = dist.get_world_size()
+    mesh = meshpipe.init_mesh(pp=n)
+
+    def stage() -> nn.Module:
+        return nn.Sequential(*(nn.Sequential(nn.Linear(PROBE_WIDTH, PROBE_WIDTH), nn.ReLU())
+                               for _ in range(PROBE_DEPTH)))  # fmt: skip
+
+    torch.manual_seed(0)
+    alone = stage().to(device)
+    x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
+    f = _median_time(lambda: alone(x), repeats, dist.barrier)
+    fb = _median_time(lambda: alone(x).sum().backward(), repeats, dist.barrier)
+    points = []
+    for per_rank in PROBE_MICROBATCHES:
+        mb = per_rank * n
+        torch.manual_seed(0)
+        model = nn.Sequential(*(stage() for _ in range(n)))
+        pipe = meshpipe.Pipeline(
+            model, mesh, "1f1b", mb, loss_fn=nn.functional.mse_loss,
+            split_points=[str(k) for k in range(1, n)],
+        )  # fmt: skip
+        xs = torch.randn(mb * PROBE_ROWS, PROBE_WIDTH, device=device)
+        ys = torch.randn(mb * PROBE_ROWS, PROBE_WIDTH, device=device)
+        pipe.step(xs, target=ys)  # warm-up: the first step builds what later steps reuse
+
+        def step(pipe: Any = pipe, xs: torch.Tensor = xs, ys: torch.Tensor = ys) -> None:
+            pipe.step(xs, target=ys)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        points.append((mb, _median_time(step, repeats, dist.barrier)))
+    return {"f": f, "b": max(fb - f, 0.0), "steps": points}
+
+
+def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
+    """(plain, DDP) seconds of a forward and backward with ``REDUCE_BYTES`` of gradients."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    width = 512
+    layers = max(1, REDUCE_BYTES // (4 * width * width))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    model = model.to(device)
+    x = torch.randn(16, width, device=device)
+    ddp = DDP(copy.deepcopy(model))
+
+    def run(m: nn.Module) -> Any:
+        def once() -> None:
+            m(x).square().mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return once
+
+    plain = _median_time(run(model), repeats, dist.barrier)
+    reduced = _median_time(run(ddp), repeats, dist.barrier)
+    return plain, reduced
+
+
+def _probe(device_type: str, repeats: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import meshpipe
+
+    torch.set_num_threads(1)
+    meshpipe.init_mesh(pp=int(os.environ["WORLD_SIZE"]))  # the process group, as a job has it
+    rank = dist.get_rank()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
+    slowdown = _slowdown(device, repeats)
+    plain, reduced = _reduce_probe(device, repeats)
+    probe = _runtime_probe(device, repeats)
+    return {"rank": rank, "slowdown": slowdown, "plain": plain, "ddp": reduced, **probe}
+
+
+def _makespan(n: int, mb: int, f: float, b: float, p2p: float) -> float:
+    return simulate(get_schedule("1f1b", n, mb), Cost(f=f, b=b, p2p=p2p)).makespan
+
+
+def fit_runtime(
+    n: int, f: float, b: float, points: list[tuple[int, float]], p2p_latency: float
+) -> tuple[float, float]:
+    """(overhead per action, step overhead) from two (microbatches, seconds) steps of 1f1b
+    on ``n`` ranks whose stages take ``f`` and ``b`` seconds: ``seconds = step +
+    makespan(f + overhead, b + overhead, p2p_latency)``, the makespan's slope in the
+    overhead taken from the simulator (the schedule's actions on its critical path)."""
+    (m1, t1), (m2, t2) = points[0], points[-1]
+    d = max(f + b, 1e-4)
+    base1, base2 = (_makespan(n, m, f, b, p2p_latency) for m in (m1, m2))
+    slope1 = (_makespan(n, m1, f + d, b + d, p2p_latency) - base1) / d
+    slope2 = (_makespan(n, m2, f + d, b + d, p2p_latency) - base2) / d
+    y1, y2 = t1 - base1, t2 - base2
+    overhead = max(0.0, (y2 - y1) / (slope2 - slope1)) if slope2 > slope1 else 0.0
+    step = max(0.0, y1 - overhead * slope1)
+    return overhead, step
+
+
+def measure_machine(
+    num_processes: int,
+    device: str = "cpu",
+    p2p_latency: float = 0.0,
+    repeats: int = 10,
+    timeout: float = 300.0,
+) -> MachineCost:
+    """Measure this machine with ``num_processes`` local processes (see the module);
+    ``p2p_latency`` (e.g. ``measure_link``'s) is taken out of the runtime's fit."""
+    from meshpipe.testing import run_on_ranks
+
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int):
+        raise PlanError(f"measure_machine: num_processes must be an int, got {num_processes!r}")
+    if num_processes < 2:
+        raise PlanError(f"measure_machine needs 2 or more processes, got {num_processes}")
+    if device not in ("cpu", "cuda"):
+        raise PlanError(f"measure_machine: device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and torch.cuda.device_count() < num_processes:
+        raise PlanError(
+            f"measure_machine: {num_processes} processes need as many GPUs, this machine has "
+            f"{torch.cuda.device_count()}"
+        )
+    t0 = time.perf_counter()
+    log.info("measuring the machine with %d processes ...", num_processes)
+    got = run_on_ranks(_probe, num_processes, device, repeats, timeout=timeout, device=device)
+    slowdown = max(1.0, next(g["slowdown"] for g in got if g["slowdown"] is not None))
+    exposed = max(g["ddp"] - g["plain"] for g in got)
+    n = num_processes
+    reduced = 2 * (n - 1) / n * REDUCE_BYTES
+    dp_bandwidth = reduced / exposed if exposed > 0 else float("inf")
+    points = [(mb, max(g["steps"][k][1] for g in got)) for k, (mb, _) in enumerate(got[0]["steps"])]
+    f, b = statistics.median(g["f"] for g in got), statistics.median(g["b"] for g in got)
+    overhead, step = fit_runtime(n, f, b, points, p2p_latency)
+    cost = MachineCost(n, slowdown, overhead, step, dp_bandwidth, tuple(points))
+    log.info(
+        "machine measured in %.1f s: slowdown %.2f, overhead %.0f us per action, %.2f ms per "
+        "step, dp reduction %.2f GB/s", time.perf_counter() - t0, slowdown, overhead * 1e6,
+        step * 1e3, dp_bandwidth / 1e9,
+    )  # fmt: skip
+    return cost

@@ -1,0 +1,81 @@
+"""The machine measured with the runtime itself (meshpipe.plan.machine): the compute
+slowdown of processes sharing the machine, the runtime's overhead per action and per step,
+and DDP's reduction; the planner uses them with ``measure_machine=True`` (issue 24)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import meshpipe
+from meshpipe.plan import PlanError
+from meshpipe.plan.machine import MachineCost, _makespan, fit_runtime, measure_machine
+from meshpipe.plan.profile import profile_model
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fit_recovers_known_overheads(n: int) -> None:
+    f, b, lat, oh, step = 1e-3, 2e-3, 1e-4, 3e-4, 2e-3
+    points = [(m, step + _makespan(n, m, f + oh, b + oh, lat)) for m in (n, 4 * n)]
+    got_oh, got_step = fit_runtime(n, f, b, points, lat)
+    assert got_oh == pytest.approx(oh, rel=1e-6) and got_step == pytest.approx(step, rel=1e-6)
+
+
+def test_fit_never_goes_negative() -> None:
+    assert fit_runtime(2, 1e-3, 1e-3, [(2, 1e-6), (8, 1e-6)], 0.0) == (0.0, 0.0)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(PlanError, match="2 or more processes"):
+        measure_machine(1)
+    with pytest.raises(PlanError, match="device must be 'cpu' or 'cuda'"):
+        measure_machine(2, device="tpu")
+    with pytest.raises(PlanError, match="slowdown must be > 0"):
+        meshpipe.plan(nn.Linear(2, 2), (torch.randn(4, 2),), world_size=1, slowdown=0.0)
+
+
+@pytest.mark.timeout(300)
+def test_measured_machine_is_plausible_and_the_planner_uses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cost = measure_machine(2, repeats=4)
+    assert isinstance(cost, MachineCost) and cost.num_processes == 2
+    # two processes sharing two cores: at most a few times slower than one alone; the
+    # runtime's work per action and per step between 0 and tens of milliseconds
+    assert 1.0 <= cost.slowdown < 8.0, cost
+    assert 0.0 <= cost.overhead < 0.05 and 0.0 <= cost.step_overhead < 0.2, cost
+    assert cost.dp_bandwidth > 1e6 and (math.isinf(cost.dp_bandwidth) or cost.dp_bandwidth < 1e12)
+    (m1, t1), (m2, t2) = cost.points
+    assert (m1, m2) == (2, 8) and t2 > t1 > 0, cost.points  # 8 microbatches take longer
+
+    import meshpipe.plan.link as link_mod
+    import meshpipe.plan.machine as machine_mod
+
+    link = link_mod.LinkCost(2e-5, 1e9, (), 5e8)
+    monkeypatch.setattr(link_mod, "measure_link", lambda device="cpu": link)
+    monkeypatch.setattr(machine_mod, "measure_machine", lambda *a, **k: cost)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    loss_fn = nn.functional.mse_loss
+    prof = profile_model(model, (x,), target=y, loss_fn=loss_fn, repeats=1)
+    measured = meshpipe.plan(model, world_size=2, measure_machine=True, profile=prof)
+    a = measured.assumptions
+    assert (a["slowdown"], a["overhead"], a["step_overhead"]) == (
+        cost.slowdown,
+        cost.overhead,
+        cost.step_overhead,
+    )
+    assert a["dp_bandwidth"] == cost.dp_bandwidth and a["p2p_latency"] == link.latency
+    default = meshpipe.plan(model, world_size=2, profile=prof)
+    assert (default.assumptions["slowdown"], default.assumptions["step_overhead"]) == (1.0, 0.0)
+    # the step overhead is in every prediction: the same plan, 10 ms more per step
+    slower = meshpipe.plan(model, world_size=2, profile=prof, step_overhead=0.01)
+    assert slower.step_time == pytest.approx(default.step_time + 0.01, rel=1e-9)
+    # the slowdown multiplies the compute: twice as slow, more than 1.5x the step
+    halved = meshpipe.plan(model, world_size=2, profile=prof, slowdown=2.0, overhead=0.0)
+    base = meshpipe.plan(model, world_size=2, profile=prof, overhead=0.0)
+    assert halved.step_time > 1.5 * base.step_time
