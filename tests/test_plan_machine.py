@@ -79,3 +79,23 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
     halved = meshpipe.plan(model, world_size=2, profile=prof, slowdown=2.0, overhead=0.0)
     base = meshpipe.plan(model, world_size=2, profile=prof, overhead=0.0)
     assert halved.step_time > 1.5 * base.step_time
+
+
+def test_a_cost_measured_at_several_sizes_is_read_between_them() -> None:
+    from meshpipe.plan import Affine
+
+    # cheap per row up to 8 rows, then dearer (a cache spilling): no line fits all three
+    a = Affine.fit([(2, 1.0), (8, 2.0), (32, 14.0)])
+    assert [a.at(r) for r in (2, 8, 32)] == [1.0, 2.0, 14.0]  # every measured size exactly
+    assert a.at(5) == pytest.approx(1.5) and a.at(20) == pytest.approx(8.0)
+    assert a.at(64) == pytest.approx(30.0)  # beyond: the last segment's slope
+    assert Affine.fit([(2, 3.0), (8, 2.0), (32, 4.0)]).at(8) == 3.0  # a dip is noise
+    two = Affine.fit([(4, 1.0), (16, 4.0)])
+    assert two.points == () and two.at(8) == pytest.approx(2.0)  # two sizes: a line
+    assert a.scaled(2.0).at(20) == pytest.approx(16.0)
+    assert (a + two).at(8) == pytest.approx(4.0)
+    from meshpipe.plan.costs import PieceCost, Profile
+
+    piece = PieceCost("p", None, a, a, a, 0, 0, 0, a, a, a)
+    back = Profile.from_dict(Profile((piece,), 32).to_dict())
+    assert back.pieces[0].f == a  # JSON round trip keeps the points

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from meshpipe.plan.candidate import Layout, Settings, judge
-from meshpipe.plan.costs import Affine, PieceCost, Profile
+from meshpipe.plan.costs import PieceCost, Profile
 from meshpipe.plan.errors import PlanError
 from meshpipe.plan.value import Plan
 from meshpipe.schedule.registry import get_schedule
@@ -128,10 +128,7 @@ def _ratio(target: float, predicted: float) -> float:
 
 
 def _scaled(piece: PieceCost, rf: float, ri: float, rw: float) -> PieceCost:
-    def mul(a: Affine, r: float) -> Affine:
-        return Affine(a.fixed * r, a.per_row * r)
-
-    return replace(piece, f=mul(piece.f, rf), i=mul(piece.i, ri), w=mul(piece.w, rw))
+    return replace(piece, f=piece.f.scaled(rf), i=piece.i.scaled(ri), w=piece.w.scaled(rw))
 
 
 def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -> Profile:

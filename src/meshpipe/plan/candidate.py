@@ -66,19 +66,12 @@ class Settings:
 
 
 class _Sums:
-    """Prefix sums of the pieces' affine costs, so any segment's sum is O(1)."""
+    """Prefix sums of the pieces' costs at a number of rows, built once per rows value, so
+    any segment's sum is O(1)."""
 
     def __init__(self, profile: Profile) -> None:
-        def prefix(get: str) -> tuple[list[float], list[float]]:
-            fixed, per_row = [0.0], [0.0]
-            for p in profile.pieces:
-                a: Affine = getattr(p, get)
-                fixed.append(fixed[-1] + a.fixed)
-                per_row.append(per_row[-1] + a.per_row)
-            return fixed, per_row
-
         self.pieces = profile.pieces
-        self.sums = {k: prefix(k) for k in ("f", "i", "w", "saved")}
+        self.prefix: dict[tuple[str, float], list[float]] = {}
         static = [0.0]
         grads = [0.0]
         for p in profile.pieces:
@@ -87,8 +80,14 @@ class _Sums:
         self.static, self.grads = static, grads
 
     def at(self, key: str, first: int, end: int, rows: float) -> float:
-        fixed, per_row = self.sums[key]
-        return max(0.0, fixed[end] - fixed[first] + (per_row[end] - per_row[first]) * rows)
+        sums = self.prefix.get((key, rows))
+        if sums is None:
+            sums = [0.0]
+            for p in self.pieces:
+                a: Affine = getattr(p, key)
+                sums.append(sums[-1] + a.at(rows))
+            self.prefix[(key, rows)] = sums
+        return max(0.0, sums[end] - sums[first])
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 A *piece* is the smallest unit a split can move: what runs before the trunk (embeddings),
 each trunk block, the last block together with what follows it (head, loss). Each time and
-byte count is ``fixed + per_row * rows`` (measured at two batch sizes), so one profile
-serves every microbatch size. No torch: the search reads these values only.
+byte count is measured at several batch sizes and read between them (``Affine``), so one
+profile serves every microbatch size. No torch: the search reads these values only.
 """
 
 from __future__ import annotations
@@ -19,13 +19,25 @@ __all__ = ["Affine", "PieceCost", "Profile"]
 
 @dataclass(frozen=True)
 class Affine:
-    """``fixed + per_row * rows``, never below 0."""
+    """``fixed + per_row * rows``, never below 0; or, with ``points`` (``(rows, value)``
+    measurements, rows ascending), the line through the two measurements around ``rows``
+    (the end segments beyond them), so that every measured size is predicted exactly and
+    a cost that is not linear in rows (caches, small batches) is followed. ``fixed`` and
+    ``per_row`` are then the line through the end points."""
 
     fixed: float = 0.0
     per_row: float = 0.0
+    points: tuple[tuple[float, float], ...] = ()
 
     def at(self, rows: float) -> float:
-        return max(0.0, self.fixed + self.per_row * rows)
+        pts = self.points
+        if len(pts) < 2:
+            return max(0.0, self.fixed + self.per_row * rows)
+        k = 1
+        while k < len(pts) - 1 and rows > pts[k][0]:
+            k += 1
+        (r0, v0), (r1, v1) = pts[k - 1], pts[k]
+        return max(0.0, v0 + (v1 - v0) * (rows - r0) / (r1 - r0))
 
     @classmethod
     def through(cls, rows_a: float, value_a: float, rows_b: float, value_b: float) -> Affine:
@@ -38,7 +50,34 @@ class Affine:
             return cls(max(value_a, value_b), 0.0)
         return cls(value_a - slope * rows_a, slope)
 
+    @classmethod
+    def fit(cls, measured: Sequence[tuple[float, float]]) -> Affine:
+        """Through every ``(rows, value)`` measurement (piecewise, see the class); one or
+        two distinct sizes give ``through``'s line. Values are made non-decreasing in rows
+        (more rows never cost less: a dip is noise)."""
+        pts = sorted((float(r), float(v)) for r, v in measured)
+        if not pts:
+            raise PlanError("Affine.fit needs at least one measurement")
+        rising: list[tuple[float, float]] = []
+        for r, v in pts:
+            if rising and r == rising[-1][0]:
+                rising[-1] = (r, max(v, rising[-1][1]))
+            else:
+                rising.append((r, max(v, rising[-1][1]) if rising else v))
+        line = cls.through(rising[0][0], rising[0][1], rising[-1][0], rising[-1][1])
+        if len(rising) < 3:
+            return line
+        return cls(line.fixed, line.per_row, tuple(rising))
+
+    def scaled(self, ratio: float) -> Affine:
+        """Every value times ``ratio``."""
+        pts = tuple((r, v * ratio) for r, v in self.points)
+        return Affine(self.fixed * ratio, self.per_row * ratio, pts)
+
     def __add__(self, other: Affine) -> Affine:
+        if self.points or other.points:
+            rows = sorted({r for r, _ in self.points} | {r for r, _ in other.points})
+            return Affine.fit([(r, self.at(r) + other.at(r)) for r in rows])
         return Affine(self.fixed + other.fixed, self.per_row + other.per_row)
 
 
@@ -95,7 +134,9 @@ class Profile:
         for p in _seq(data["pieces"]):
             values = dict(p)
             for key in ("f", "i", "w", "saved", "input", "output"):
-                values[key] = Affine(**values[key])
+                a = dict(values[key])
+                a["points"] = tuple((float(r), float(v)) for r, v in a.get("points", ()))
+                values[key] = Affine(**a)
             pieces.append(PieceCost(**values))
         return cls(
             tuple(pieces), int(data["batch_size"]), str(data.get("device", "cpu")),

@@ -1,4 +1,4 @@
-"""Profile a model piece by piece in one process: times and bytes at two batch sizes.
+"""Profile a model piece by piece in one process: times and bytes at several batch sizes.
 
 The model is cut with ``meshpipe.split`` at every block of its trunk (so each piece runs as
 a stage would: the same modules, the same glue), then each piece runs on the previous
@@ -158,8 +158,10 @@ def _static_bytes(piece: nn.Module) -> tuple[int, int, int]:
 
 
 def _sizes(batch: int) -> list[int]:
-    small = max(1, batch // 4)
-    return [small, batch] if small < batch else [batch]
+    """The batch, its half, quarter, ... down to 1 row (at most 6 sizes): the rows per
+    microbatch the search will ask about lie on or between them."""
+    sizes = sorted({max(1, batch >> k) for k in range(6)})
+    return sizes
 
 
 def profile_model(
@@ -170,8 +172,8 @@ def profile_model(
     loss_fn: Callable[..., Any] | None = None,
     repeats: int = 3,
 ) -> Profile:
-    """Measure every piece of ``model`` on the example batch (rows on dim 0) and on a
-    quarter of it; PlanError when the inputs have no batch dim to read."""
+    """Measure every piece of ``model`` on the example batch (rows on dim 0) and on its
+    half, quarter, ... down to one row; PlanError when the inputs have no batch dim."""
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     leaves = [t for t in _tensors((args, kwargs)) if t.dim() > 0]
     if not leaves:
@@ -216,13 +218,11 @@ def _assemble(
     runs: dict[int, list[dict[str, float]]], batch: int, model: nn.Module,
 ) -> Profile:  # fmt: skip
     sizes = sorted(runs)
-    lo, hi = sizes[0], sizes[-1]
     out = []
     for index, (piece, point, name) in enumerate(zip(pieces, points, names)):
-        a, b = runs[lo][index], runs[hi][index]
 
-        def fit(key: str, a: dict[str, float] = a, b: dict[str, float] = b) -> Affine:
-            return Affine.through(lo, a[key], hi, b[key])
+        def fit(key: str, index: int = index) -> Affine:
+            return Affine.fit([(rows, runs[rows][index][key]) for rows in sizes])
 
         size, grad, opt = _static_bytes(piece)
         out.append(
