@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import statistics
 import sys
 import time
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         "--overhead", type=float, default=None, help="the planner's seconds per action"
     )
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("meshpipe.plan").setLevel(logging.INFO)  # the measured machine figures
     out = []
     for case in args.cases.split(","):
         share = 0.75 if case == "capped" else None

@@ -19,7 +19,7 @@ from meshpipe.plan.profile import profile_model
 @pytest.mark.parametrize("n", [2, 4])
 def test_fit_recovers_known_overheads(n: int) -> None:
     f, b, lat, oh, step = 1e-3, 2e-3, 1e-4, 3e-4, 2e-3
-    points = [(m, step + _makespan(n, m, f + oh, b + oh, lat)) for m in (n, 4 * n)]
+    points = [(m, step + _makespan(n, m, f + oh, b + oh, lat)) for m in (n, 2 * n, 4 * n)]
     got_oh, got_step = fit_runtime(n, f, b, points, lat)
     assert got_oh == pytest.approx(oh, rel=1e-6) and got_step == pytest.approx(step, rel=1e-6)
 
@@ -48,7 +48,7 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
     assert 1.0 <= cost.slowdown < 8.0, cost
     assert 0.0 <= cost.overhead < 0.05 and 0.0 <= cost.step_overhead < 0.2, cost
     assert cost.dp_bandwidth > 1e6 and (math.isinf(cost.dp_bandwidth) or cost.dp_bandwidth < 1e12)
-    (m1, t1), (m2, t2) = cost.points
+    (m1, t1), _, (m2, t2) = cost.points
     assert (m1, m2) == (2, 8) and t2 > t1 > 0, cost.points  # 8 microbatches take longer
 
     import meshpipe.plan.link as link_mod

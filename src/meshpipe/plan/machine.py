@@ -12,11 +12,12 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
   1 ms of compute each on a CPU core; 1f1b, every process one pp rank) at two microbatch
   counts, and the stage's forward and backward timed alone in every process at once;
   ``seconds = step_overhead + makespan(f + overhead, b + overhead, p2p latency)`` (the
-  simulator's) is solved from the two medians: the runtime's seconds per action (its
+  simulator's) is fitted to the medians (least squares): the runtime's seconds per action (its
   Python work, what posting and waiting for transfers costs beyond the compute they
   overlap) and per step (the call check, the closing exchange).
 - **dp_bandwidth**: the gradient reduction as DDP does it, overlapped with a backward: a
-  model of ``REDUCE_BYTES`` of gradients, its forward and backward timed plain and under
+  model of ``REDUCE_BYTES`` of gradients (``REDUCE_ROWS`` rows: the reduction overlaps a
+  real backward and competes with it for the cores), its forward and backward timed plain and under
   DDP over every process; ``2 (n-1)/n x bytes`` over the difference. On a CPU the
   reduction takes cores from the backward, which an all-reduce timed alone does not show.
 
@@ -45,7 +46,8 @@ __all__ = ["MachineCost", "measure_machine"]
 log = logging.getLogger(__name__)
 
 REDUCE_BYTES = 8 << 20  # gradients of the DDP probe
-PROBE_MICROBATCHES = (1, 4)  # per pp rank: the two step sizes the runtime is timed at
+REDUCE_ROWS = 128  # its rows: a backward long enough for the reduction to overlap it
+PROBE_MICROBATCHES = (1, 2, 4)  # per pp rank: the step sizes the runtime is timed at
 PROBE_WIDTH, PROBE_DEPTH, PROBE_ROWS = (
     256,
     4,
@@ -168,7 +170,7 @@ def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     model = model.to(device)
-    x = torch.randn(16, width, device=device)
+    x = torch.randn(REDUCE_ROWS, width, device=device)
     ddp = DDP(copy.deepcopy(model))
 
     def run(m: nn.Module) -> Any:
@@ -210,18 +212,24 @@ def _makespan(n: int, mb: int, f: float, b: float, p2p: float) -> float:
 def fit_runtime(
     n: int, f: float, b: float, points: list[tuple[int, float]], p2p_latency: float
 ) -> tuple[float, float]:
-    """(overhead per action, step overhead) from two (microbatches, seconds) steps of 1f1b
-    on ``n`` ranks whose stages take ``f`` and ``b`` seconds: ``seconds = step +
+    """(overhead per action, step overhead) from (microbatches, seconds) steps of 1f1b on
+    ``n`` ranks whose stages take ``f`` and ``b`` seconds: ``seconds = step +
     makespan(f + overhead, b + overhead, p2p_latency)``, the makespan's slope in the
-    overhead taken from the simulator (the schedule's actions on its critical path)."""
-    (m1, t1), (m2, t2) = points[0], points[-1]
+    overhead taken from the simulator (the actions on the critical path), fitted by least
+    squares over the points; neither is negative."""
     d = max(f + b, 1e-4)
-    base1, base2 = (_makespan(n, m, f, b, p2p_latency) for m in (m1, m2))
-    slope1 = (_makespan(n, m1, f + d, b + d, p2p_latency) - base1) / d
-    slope2 = (_makespan(n, m2, f + d, b + d, p2p_latency) - base2) / d
-    y1, y2 = t1 - base1, t2 - base2
-    overhead = max(0.0, (y2 - y1) / (slope2 - slope1)) if slope2 > slope1 else 0.0
-    step = max(0.0, y1 - overhead * slope1)
+    xs, ys = [], []
+    for m, t in points:
+        base = _makespan(n, m, f, b, p2p_latency)
+        xs.append((_makespan(n, m, f + d, b + d, p2p_latency) - base) / d)
+        ys.append(t - base)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    overhead = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    overhead = max(0.0, overhead)
+    step = max(0.0, my - overhead * mx)
+    if step == 0.0 and my > 0:  # the line crossed below zero: all of it per action
+        overhead = max(0.0, sum(ys) / sum(xs))
     return overhead, step
 
 
@@ -229,7 +237,7 @@ def measure_machine(
     num_processes: int,
     device: str = "cpu",
     p2p_latency: float = 0.0,
-    repeats: int = 10,
+    repeats: int = 20,
     timeout: float = 300.0,
 ) -> MachineCost:
     """Measure this machine with ``num_processes`` local processes (see the module);
