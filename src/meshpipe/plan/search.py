@@ -71,11 +71,16 @@ def _candidates(
 ) -> list[Plan]:  # fmt: skip
     n = len(profile.pieces)
     found: list[Plan] = []
+    single = [s for s in schedules if s not in MULTI_STAGE]
+    # one pp rank runs its microbatches one after another whatever the schedule: judge one
+    alone = "1f1b" if "1f1b" in single else (single[0] if single else None)
     for layout in layouts(st.world_size, profile.batch_size, n, tp_degrees, stage_meshes):
         rows = profile.batch_size // layout.dp
         for name in schedules:
             spr = 2 if name in MULTI_STAGE else 1
             if spr > 1 and (layout.stage_dp is not None or layout.pp == 1):
+                continue
+            if layout.pp == 1 and name != alone:
                 continue
             for mb in microbatch_counts(rows, max_microbatches):
                 plan = judge(profile, layout, name, spr, mb, st)
