@@ -198,6 +198,10 @@ def run_case(
     if cap is None:
         for mb in (1, 2):
             configs.append(default_plan(plan, model, 1, "1f1b", mb))
+    unique: dict[str, dict[str, Any]] = {}  # one run per configuration (a grid entry may be
+    for c in configs:  # the plan itself): the first of each label
+        unique.setdefault(_label(c), c)
+    configs = list(unique.values())
     results = run_on_ranks(_measure, world, case, configs, steps, timeout=1800)
     rows = []
     for i, cfg in enumerate(configs):
@@ -206,7 +210,7 @@ def run_case(
         rows.append({"config": _label(cfg), "time": time_s, "peak": peak,
                      "predicted": cfg["step_time"] or None})  # fmt: skip
     chosen = rows[0]
-    dflt = next(r for r, c in zip(rows, configs) if c is default)
+    dflt = next(r for r in rows if r["config"] == _label(default))
     best = min(rows, key=lambda r: r["time"])
     summary = {
         "case": case, "world": world, "cap": cap, "planning_s": planning,
@@ -229,12 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         "--measure-p2p", action="store_true", help="plan with the p2p link measured first"
     )
     ap.add_argument(
-        "--measure-machine", action="store_true",
+        "--measure-machine",
+        action="store_true",
         help="plan with the machine measured first (slowdown, overheads, DDP's reduction)",
     )
-    ap.add_argument(
-        "--overhead", type=float, default=None, help="the planner's seconds per action"
-    )
+    ap.add_argument("--overhead", type=float, default=None, help="the planner's seconds per action")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("meshpipe.plan").setLevel(logging.INFO)  # the measured machine figures
@@ -242,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases.split(","):
         share = 0.75 if case == "capped" else None
         machine: dict[str, Any] = {
-            "measure_p2p": args.measure_p2p, "measure_machine": args.measure_machine
+            "measure_p2p": args.measure_p2p,
+            "measure_machine": args.measure_machine,
         }
         if args.overhead is not None:
             machine["overhead"] = args.overhead
