@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _KEY = "meshpipe/culprit"
 E = TypeVar("E", bound=BaseException | None)
-_READ_S = 2.0  # how long a consequence waits for the claim of its cause
+_READ_S = 4.0  # how long a consequence waits for the claim of its cause (a loaded host: 2 s missed)
 _POLL_S = 0.02
 
 
