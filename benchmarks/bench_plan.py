@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 import meshpipe
-from meshpipe.plan import Plan
+from meshpipe.plan import Plan, Profile, profile_model
+from meshpipe.plan.candidate import Layout, Settings, judge
 from meshpipe.testing import run_on_ranks
 
 
@@ -171,6 +172,22 @@ def _label(d: dict[str, Any]) -> str:
     )
 
 
+def _predict(prof: Profile, plan: Plan, cfg: dict[str, Any]) -> float | None:
+    """The planner's prediction for a grid configuration (same profile, same machine
+    figures as the plan), or None when it cannot judge it."""
+    names = ("p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "tp_efficiency",
+             "slowdown", "step_overhead")  # fmt: skip
+    figures = {k: plan.assumptions[k] for k in names if k in plan.assumptions}
+    st = Settings(world_size=plan.world_size, **figures)
+    index = {p: k for k, p in enumerate(prof.points)}
+    if any(p not in index for p in cfg["split_points"]):
+        return None
+    starts = [index[p] for p in cfg["split_points"]]
+    got = judge(prof, Layout(cfg["pp"], cfg["dp"]), cfg["schedule"], cfg["stages_per_rank"],
+                cfg["num_microbatches"], st, starts)  # fmt: skip
+    return None if got is None else got.step_time
+
+
 def run_case(
     case: str, world: int, steps: int, cap_share: float | None, **machine: Any
 ) -> dict[str, Any]:
@@ -181,9 +198,11 @@ def run_case(
         static = sum(4 * 4 * p.numel() for p in model.parameters())  # params, grads, AdamW
         cap = int(static * cap_share)
     t0 = time.perf_counter()
+    prof = profile_model(model, args, target=target, loss_fn=loss_fn)
     plan = meshpipe.plan(
-        model, args, target, loss_fn, world_size=world, memory_per_rank=cap, **machine
-    )
+        model, args, target, loss_fn, world_size=world, memory_per_rank=cap, profile=prof,
+        **machine,
+    )  # fmt: skip
     planning = time.perf_counter() - t0
     print(plan, flush=True)
     pp = world
@@ -207,8 +226,9 @@ def run_case(
     for i, cfg in enumerate(configs):
         time_s = max(r[i]["time"] for r in results)
         peak = max(r[i]["peak"] for r in results)
+        predicted = cfg["step_time"] or _predict(prof, plan, cfg)
         rows.append({"config": _label(cfg), "time": time_s, "peak": peak,
-                     "predicted": cfg["step_time"] or None})  # fmt: skip
+                     "predicted": predicted})  # fmt: skip
     chosen = rows[0]
     dflt = next(r for r in rows if r["config"] == _label(default))
     best = min(rows, key=lambda r: r["time"])
@@ -217,10 +237,22 @@ def run_case(
         "plan_vs_default": chosen["time"] / dflt["time"],
         "plan_vs_best": chosen["time"] / best["time"],
         "predicted_vs_measured": plan.step_time / chosen["time"],
+        "grid_ratios": sorted(r["predicted"] / r["time"] for r in rows if r["predicted"]),
         "plan_peak_measured": chosen["peak"], "plan_peak_predicted": plan.peak_memory,
         "rows": rows,
     }  # fmt: skip
     return summary
+
+
+def _grid_line(ratios: list[float]) -> str:
+    """How the predictions of every measured configuration compare with the measurements."""
+    if not ratios:
+        return ""
+    near = sum(0.8 <= r <= 1.2 for r in ratios)
+    return (
+        f"; every configuration's predicted/measured: median {statistics.median(ratios):.2f}, "
+        f"{ratios[0]:.2f} - {ratios[-1]:.2f}, {near} of {len(ratios)} within 20 %"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"plan/default {s['plan_vs_default']:.2f}, plan/best {s['plan_vs_best']:.2f}, "
             f"predicted/measured {s['predicted_vs_measured']:.2f}, planning {s['planning_s']:.1f} s"
+            + _grid_line(s["grid_ratios"])
             + (f", peak {s['plan_peak_measured']} B measured vs {s['plan_peak_predicted']} "
                f"predicted, cap {s['cap']}" if s["cap"] else "")  # fmt: skip
         , flush=True)  # fmt: skip

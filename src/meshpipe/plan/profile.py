@@ -101,19 +101,55 @@ class _Ledger:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+class _Clock:
+    """What a piece's time is read from: on CPU this process's CPU seconds (the work
+    itself: other jobs on the machine barely move it, where wall time doubles under load;
+    the plan's ``slowdown`` accounts for processes sharing cores); on CUDA wall seconds
+    between device synchronisations."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter()
+        return time.process_time()
+
+
+_CLOCK = _Clock(torch.device("cpu"))
+
+
+def _timed(fn: Callable[[], Any], repeats: int, clock: _Clock = _CLOCK) -> tuple[float, Any]:
     out = fn()  # warm-up
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock.now()
         out = fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock.now() - t0)
     return statistics.median(times), out
+
+
+def _harness(repeats: int, clock: _Clock) -> dict[str, float]:
+    """What timing a piece costs beyond its work: a forward call and the two gradient
+    calls of ``_measure_piece`` on a one-element piece. Taken out of every piece's figures,
+    so that a stage of many pieces is not charged each piece's call overheads (the stage
+    runs as one call and one backward; the runtime's own cost per action is the plan's
+    ``overhead``)."""
+    dev = clock.device
+    weight = torch.ones(1, device=dev, requires_grad=True)
+    x = torch.ones(1, device=dev, requires_grad=True)
+    f, out = _timed(lambda: x * weight, repeats, clock)
+    i, _ = _timed(lambda: torch.autograd.grad(out, [x], retain_graph=True), repeats, clock)
+    b, _ = _timed(lambda: torch.autograd.grad(out, [x, weight], retain_graph=True), repeats, clock)
+    return {"f": f, "i": i, "b": b}
 
 
 def _measure_piece(
     piece: nn.Module, index: int, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-    finish: Callable[[Any], Any] | None, repeats: int, params: set[int],
+    finish: Callable[[Any], Any] | None, repeats: int, params: set[int], clock: _Clock,
+    harness: dict[str, float],
 ) -> tuple[dict[str, float], Any]:  # fmt: skip
     """One piece at one size: (figures, its output detached for the next piece)."""
     inputs = _detached(value)
@@ -122,7 +158,8 @@ def _measure_piece(
         out = call_stage(piece, index, inputs, args, kwargs)
         return finish(out) if finish is not None else out
 
-    f, out = _timed(forward, repeats)
+    f, out = _timed(forward, repeats, clock)
+    f = max(0.0, f - harness["f"])
     ledger = _Ledger(params)
     with ledger.hooks():
         out = forward()
@@ -139,9 +176,11 @@ def _measure_piece(
             )
 
         if wanted_in:
-            i, _ = _timed(grad_of(wanted_in), repeats)
+            i, _ = _timed(grad_of(wanted_in), repeats, clock)
+            i = max(0.0, i - harness["i"])
         if wanted_in or weights:
-            b, _ = _timed(grad_of([*wanted_in, *weights]), repeats)
+            b, _ = _timed(grad_of([*wanted_in, *weights]), repeats, clock)
+            b = max(0.0, b - harness["b"])
     figures = {
         "f": f, "i": min(i, b), "w": max(0.0, b - i), "saved": float(ledger.bytes),
         "input": float(_nbytes(value)), "output": float(_nbytes(out)),
@@ -183,6 +222,9 @@ def profile_model(
     every = [*model.parameters(), *(p for piece in pieces for p in piece.parameters())]
     params = {p.untyped_storage().data_ptr() for p in every}
     runs: dict[int, list[dict[str, float]]] = {}
+    first = next(iter(model.parameters()), None)
+    clock = _Clock(first.device if first is not None else torch.device("cpu"))
+    harness = _harness(max(repeats, 5), clock)
     was_training = model.training
     model.train()
     try:
@@ -194,13 +236,15 @@ def profile_model(
             for index, piece in enumerate(pieces):
                 last = index == len(pieces) - 1
                 finish = _finisher(loss_fn, tgt) if last else None
-                figures, value = _measure_piece(piece, index, value, a, k, finish, repeats, params)
+                figures, value = _measure_piece(
+                    piece, index, value, a, k, finish, repeats, params, clock, harness
+                )
                 out.append(figures)
             runs[rows] = out
     finally:
         model.train(was_training)
         model.zero_grad(set_to_none=True)
-    return _assemble(pieces, points, names, runs, batch, model)
+    return _assemble(pieces, points, names, runs, batch, model, harness)
 
 
 def _finisher(loss_fn: Callable[..., Any] | None, target: Any) -> Callable[[Any], Any]:
@@ -216,6 +260,7 @@ def _finisher(loss_fn: Callable[..., Any] | None, target: Any) -> Callable[[Any]
 def _assemble(
     pieces: list[nn.Module], points: list[str | None], names: list[str],
     runs: dict[int, list[dict[str, float]]], batch: int, model: nn.Module,
+    harness: dict[str, float] | None = None,
 ) -> Profile:  # fmt: skip
     sizes = sorted(runs)
     out = []
@@ -241,6 +286,8 @@ def _assemble(
             )  # fmt: skip
         )
     device = str(next(iter(model.parameters())).device) if list(model.parameters()) else "cpu"
-    notes = {"sizes": sizes, "threads": torch.get_num_threads()}
+    notes: dict[str, Any] = {"sizes": sizes, "threads": torch.get_num_threads()}
+    if harness is not None:
+        notes["harness"] = harness  # seconds taken out of each piece's f, i and b
     log.info("profiled %d pieces at batch sizes %s", len(out), sizes)
     return Profile(tuple(out), batch, device, notes)
