@@ -5,16 +5,17 @@ process does not see.
 CPU and gloo, or one GPU each with NCCL) and measures, all of them running at once:
 
 - **slowdown**: a fixed workload (a matmul and a memory-bound pass) timed in one process
-  while the others wait, then in every process at once; the ratio of the medians. On a CPU
-  whose cores the ranks share it is well above 1; the planner multiplies the profile's
-  times by it.
-- **overhead and step_overhead**: ``meshpipe.Pipeline`` steps of small MLP stages (about
-  1 ms of compute each on a CPU core; 1f1b, every process one pp rank) at two microbatch
-  counts, and the stage's forward and backward timed alone in every process at once;
-  ``seconds = step_overhead + makespan(f + overhead, b + overhead, p2p latency)`` (the
-  simulator's) is fitted to the medians (least squares): the runtime's seconds per action (its
-  Python work, what posting and waiting for transfers costs beyond the compute they
-  overlap) and per step (the call check, the closing exchange).
+  while the others wait, then in every process at once; the ratio (of first quartiles,
+  as every time here: steady when other jobs share the machine). On a CPU whose cores the
+  ranks share it is well above 1; the planner multiplies the profile's times by it.
+- **overhead**: the runtime's host work per action, in CPU seconds (steady on a machine
+  other jobs share): a process's CPU time over ``meshpipe.Pipeline`` steps of small MLP
+  stages (1f1b, every process one pp rank, 4 microbatches per rank), less its stages'
+  forward and backward (timed alone), over its actions. On CUDA this is the host's time
+  per action, the device's work being the profile's.
+- **step_overhead**: what the same steps at 1, 2 and 4 microbatches per rank take beyond
+  the simulated ``makespan(f + overhead, b + overhead, p2p latency)``, the median (the
+  call check, the closing exchange, waits the simulator does not see).
 - **dp_bandwidth**: the gradient reduction as DDP does it, overlapped with a backward: a
   model of ``REDUCE_BYTES`` of gradients (``REDUCE_ROWS`` rows: the reduction overlaps a
   real backward and competes with it for the cores), its forward and backward timed plain and under
@@ -71,7 +72,13 @@ class MachineCost:
         return asdict(self)
 
 
-def _median_time(fn: Any, repeats: int, barrier: Any) -> float:
+def _low(times: list[float]) -> float:
+    """The first quartile: a steady figure on a machine other jobs share (their spikes
+    land in the upper half), close to the median on a quiet one."""
+    return statistics.quantiles(times, n=4)[0] if len(times) >= 4 else min(times)
+
+
+def _typical_time(fn: Any, repeats: int, barrier: Any) -> float:
     times = []
     for i in range(repeats + 1):  # one warm-up
         barrier()
@@ -79,7 +86,7 @@ def _median_time(fn: Any, repeats: int, barrier: Any) -> float:
         fn()
         if i:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _low(times)
 
 
 def _workload(device: torch.device) -> Any:
@@ -114,8 +121,8 @@ def _slowdown(device: torch.device, repeats: int) -> float | None:
             alone.append(time.perf_counter() - t0)
     else:
         time.sleep(ALONE_SECONDS * 1.5)
-    together = _median_time(run, repeats, dist.barrier)
-    return together / statistics.median(alone) if alone else None
+    together = _typical_time(run, repeats, dist.barrier)
+    return together / _low(alone) if alone else None
 
 
 def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
@@ -136,9 +143,10 @@ def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
     torch.manual_seed(0)
     alone = stage().to(device)
     x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
-    f = _median_time(lambda: alone(x), repeats, dist.barrier)
-    fb = _median_time(lambda: alone(x).sum().backward(), repeats, dist.barrier)
-    points = []
+    f = _typical_time(lambda: alone(x), repeats, dist.barrier)
+    fb = _typical_time(lambda: alone(x).sum().backward(), repeats, dist.barrier)
+    fb_cpu = _cpu_time(lambda: alone(x).sum().backward(), repeats)
+    points, host = [], []
     for per_rank in PROBE_MICROBATCHES:
         mb = per_rank * n
         torch.manual_seed(0)
@@ -156,8 +164,21 @@ def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        points.append((mb, _median_time(step, repeats, dist.barrier)))
-    return {"f": f, "b": max(fb - f, 0.0), "steps": points}
+        points.append((mb, _typical_time(step, repeats, dist.barrier)))
+        cpu = _cpu_time(step, repeats)
+        host.append(max(0.0, cpu - mb * fb_cpu) / (2 * mb))  # 1f1b: 2 actions per mb
+    return {"f": f, "b": max(fb - f, 0.0), "steps": points, "host": host}
+
+
+def _cpu_time(fn: Any, repeats: int) -> float:
+    """This process's CPU seconds for ``fn`` (its threads' too: gloo's transfers), the
+    first quartile of ``repeats`` runs."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return _low(times)
 
 
 def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
@@ -181,8 +202,8 @@ def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
 
         return once
 
-    plain = _median_time(run(model), repeats, dist.barrier)
-    reduced = _median_time(run(ddp), repeats, dist.barrier)
+    plain = _typical_time(run(model), repeats, dist.barrier)
+    reduced = _typical_time(run(ddp), repeats, dist.barrier)
     return plain, reduced
 
 
@@ -210,27 +231,14 @@ def _makespan(n: int, mb: int, f: float, b: float, p2p: float) -> float:
 
 
 def fit_runtime(
-    n: int, f: float, b: float, points: list[tuple[int, float]], p2p_latency: float
-) -> tuple[float, float]:
-    """(overhead per action, step overhead) from (microbatches, seconds) steps of 1f1b on
-    ``n`` ranks whose stages take ``f`` and ``b`` seconds: ``seconds = step +
-    makespan(f + overhead, b + overhead, p2p_latency)``, the makespan's slope in the
-    overhead taken from the simulator (the actions on the critical path), fitted by least
-    squares over the points; neither is negative."""
-    d = max(f + b, 1e-4)
-    xs, ys = [], []
-    for m, t in points:
-        base = _makespan(n, m, f, b, p2p_latency)
-        xs.append((_makespan(n, m, f + d, b + d, p2p_latency) - base) / d)
-        ys.append(t - base)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    overhead = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
-    overhead = max(0.0, overhead)
-    step = max(0.0, my - overhead * mx)
-    if step == 0.0 and my > 0:  # the line crossed below zero: all of it per action
-        overhead = max(0.0, sum(ys) / sum(xs))
-    return overhead, step
+    n: int, f: float, b: float, points: list[tuple[int, float]], p2p_latency: float,
+    overhead: float,
+) -> float:  # fmt: skip
+    """The step overhead: what 1f1b steps on ``n`` ranks whose stages take ``f`` and ``b``
+    seconds took beyond the simulated ``makespan(f + overhead, b + overhead,
+    p2p_latency)``, the median over the ``(microbatches, seconds)`` points; not negative."""
+    rest = [t - _makespan(n, m, f + overhead, b + overhead, p2p_latency) for m, t in points]
+    return max(0.0, statistics.median(rest))
 
 
 def measure_machine(
@@ -265,7 +273,8 @@ def measure_machine(
     dp_bandwidth = reduced / exposed if exposed > 0 else float("inf")
     points = [(mb, max(g["steps"][k][1] for g in got)) for k, (mb, _) in enumerate(got[0]["steps"])]
     f, b = statistics.median(g["f"] for g in got), statistics.median(g["b"] for g in got)
-    overhead, step = fit_runtime(n, f, b, points, p2p_latency)
+    overhead = statistics.median(g["host"][-1] for g in got)  # the most actions per step
+    step = fit_runtime(n, f, b, points, p2p_latency, overhead)
     cost = MachineCost(n, slowdown, overhead, step, dp_bandwidth, tuple(points))
     log.info(
         "machine measured in %.1f s: slowdown %.2f, overhead %.0f us per action, %.2f ms per "
