@@ -29,7 +29,9 @@ from torch import nn
 
 import meshpipe
 from meshpipe.plan import Plan, Profile, profile_model
+from meshpipe.plan.calibrate import calibrated_profile
 from meshpipe.plan.candidate import Layout, Settings, judge
+from meshpipe.plan.measured import measure
 from meshpipe.testing import run_on_ranks
 
 
@@ -188,9 +190,39 @@ def _predict(prof: Profile, plan: Plan, cfg: dict[str, Any]) -> float | None:
     return None if got is None else got.step_time
 
 
+def _replan(case: str, first: dict[str, Any], prof: dict[str, Any], cap: int | None) -> Any:
+    """On every rank: run the first plan for 3 steps, then plan again from its measured
+    action times (``meshpipe.plan(..., measured=pipe)``, the same profile and machine
+    figures); every rank gets the same plan (the gathering is a collective)."""
+    torch.set_num_threads(1)
+    base, args, target, loss_fn = model_case(case)
+    pipe = meshpipe.Pipeline.from_plan(
+        first, copy.deepcopy(base), loss_fn=loss_fn, example_args=args
+    )
+    mine = _rows(pipe, args, target)
+    for _ in range(3):
+        pipe.step(*mine[0], target=mine[1])
+        pipe.zero_grad(set_to_none=False)
+    a = first["assumptions"]
+    names = ("p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "step_overhead",
+             "slowdown")  # fmt: skip
+    figures = {k: a[k] for k in names if k in a}
+    cal = measure(pipe)  # a collective: what meshpipe.plan(..., measured=pipe) does first
+    if torch.distributed.get_rank() == 0:
+        print(cal, flush=True)
+    settings = Settings(world_size=first["world_size"], **figures)
+    calibrated = calibrated_profile(Profile.from_dict(prof), cal, settings)
+    again = meshpipe.plan(
+        base, world_size=first["world_size"], memory_per_rank=cap, profile=calibrated,
+        **figures,
+    )  # fmt: skip
+    return again.to_dict(), calibrated.to_dict()
+
+
 def run_case(
-    case: str, world: int, steps: int, cap_share: float | None, **machine: Any
-) -> dict[str, Any]:
+    case: str, world: int, steps: int, cap_share: float | None, calibrate: bool = False,
+    **machine: Any,
+) -> dict[str, Any]:  # fmt: skip
     torch.set_num_threads(1)  # the profile runs as each rank will: one thread
     model, args, target, loss_fn = model_case(case)
     cap = None
@@ -205,8 +237,19 @@ def run_case(
     )  # fmt: skip
     planning = time.perf_counter() - t0
     print(plan, flush=True)
+    first = plan
+    if calibrate:
+        got = run_on_ranks(
+            _replan, world, case, plan.without_runners_up().to_dict(), prof.to_dict(), cap,
+            timeout=900,
+        )  # fmt: skip
+        plan, prof = Plan.from_dict(got[0][0]), Profile.from_dict(got[0][1])
+        print("re-planned from 3 measured steps of the plan above:", flush=True)
+        print(plan, flush=True)
     pp = world
     configs: list[dict[str, Any]] = [plan.without_runners_up().to_dict()]
+    if calibrate:
+        configs.append(first.without_runners_up().to_dict())
     configs += [p.to_dict() for p in plan.runners_up if p.fits][:3]
     default = default_plan(plan, model, pp, "1f1b", 2 * pp)
     configs.append(default)
@@ -237,6 +280,7 @@ def run_case(
         "plan_vs_default": chosen["time"] / dflt["time"],
         "plan_vs_best": chosen["time"] / best["time"],
         "predicted_vs_measured": plan.step_time / chosen["time"],
+        "calibrated": calibrate,
         "grid_ratios": sorted(r["predicted"] / r["time"] for r in rows if r["predicted"]),
         "plan_peak_measured": chosen["peak"], "plan_peak_predicted": plan.peak_memory,
         "rows": rows,
@@ -282,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.overhead is not None:
             machine["overhead"] = args.overhead
-        s = run_case(case, args.world, args.steps, share, **machine)
+        s = run_case(case, args.world, args.steps, share, args.calibrate, **machine)
         out.append(s)
         print(f"\n## {case}, {args.world} ranks" + (f", cap {s['cap']} B" if s["cap"] else ""))
         print("| config | measured ms | predicted ms | peak bytes |")
