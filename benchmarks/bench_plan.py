@@ -314,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         help="plan with the machine measured first (slowdown, overheads, DDP's reduction)",
     )
     ap.add_argument("--overhead", type=float, default=None, help="the planner's seconds per action")
+    ap.add_argument(
+        "--calibrate", action="store_true",
+        help="run the plan 3 steps, plan again from the measured times, measure that plan",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("meshpipe.plan").setLevel(logging.INFO)  # the measured machine figures

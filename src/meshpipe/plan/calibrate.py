@@ -164,8 +164,9 @@ def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -
         recompute = max(mf - oh, 0.0) if plan.activation_checkpointing[s] else 0.0
         rf = _ratio(mf - oh, f - oh)
         if split:
-            ri = _ratio(mi - oh - recompute, b - w - oh)
             rw = _ratio(mw - oh, w - oh)
+            # the first stage's I has nothing to compute: its W is the pieces' i and w
+            ri = rw if bounds[s] == 0 else _ratio(mi - oh - recompute, b - w - oh)
         else:
             ri = rw = _ratio(mi - oh - recompute, b - oh)
         for k in range(bounds[s], bounds[s + 1]):

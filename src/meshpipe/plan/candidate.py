@@ -108,6 +108,8 @@ def _stage(
     f = sums.at("f", first, end, rows) / speed
     i = sums.at("i", first, end, rows) / speed
     w = sums.at("w", first, end, rows) / speed
+    if first == 0:  # the model's inputs need no gradient: the first stage's I has nothing
+        i, w = 0.0, i + w  # to compute, and its W runs the whole backward
     saved = sums.at("saved", first, end, rows)  # tp shards some of it: not counted
     static = (sums.static[end] - sums.static[first]) / sh
     if ac:
