@@ -98,3 +98,23 @@ def test_a_cost_measured_at_several_sizes_is_read_between_them() -> None:
     piece = PieceCost("p", None, a, a, a, 0, 0, 0, a, a, a)
     back = Profile.from_dict(Profile((piece,), 32).to_dict())
     assert back.pieces[0].f == a  # JSON round trip keeps the points
+
+
+def test_the_first_stage_has_no_input_gradient_to_compute() -> None:
+    """Under a split backward the first stage's I computes nothing (the model's inputs need
+    no gradient), as the runtime runs it: its W carries the pieces' i and w."""
+    from meshpipe.plan import Affine
+    from meshpipe.plan.candidate import Layout, Settings, judge
+    from meshpipe.plan.costs import PieceCost, Profile
+
+    def piece(name: str, point: str | None) -> PieceCost:
+        t, z = Affine(1e-3, 0.0), Affine()
+        return PieceCost(name, point, t, t, t, 0, 0, 0, z, z, z)
+
+    prof = Profile((piece("a", None), piece("b", "b"), piece("c", "c"), piece("d", "d")), 8)
+    st = Settings(world_size=2, overhead=0.0)
+    plan = judge(prof, Layout(2), "zbh1", 1, 4, st, [2])
+    assert plan is not None
+    (f0, b0, w0), (f1, b1, w1) = plan.stage_costs
+    assert (b0 - w0, w0) == (0.0, pytest.approx(4e-3))  # I empty, W = 2 pieces x (i + w)
+    assert (b1 - w1, w1) == (pytest.approx(2e-3), pytest.approx(2e-3))
