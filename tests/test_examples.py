@@ -18,6 +18,7 @@ CASES = {
     "gpt": (4, ["--steps", "10"], r"step\s+(\d+)\s+loss ([\d.]+)", ["wrote "]),
     "training_loop": (4, [], r"step (\d+): train ([\d.]+)", ["3-row batch"]),
     "stage_meshes": (5, [], r"step\s+(\d+)\s+loss ([\d.]+)", ["it loads into any layout"]),
+    "plan": (2, [], r"step\s+(\d+)\s+loss ([\d.]+)", ["<- chosen", "measured/predicted"]),
     "split_llama": (
         4, ["--steps", "5", "--tp", "2"], r"step (\d+)\s+loss ([\d.]+)", ["lm_head.weight"]
     ),
