@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.factory} must return (model, example_inputs, target, loss_fn)")
     model, inputs, target, loss_fn = made
     schedules = {} if args.schedules is None else {"schedules": args.schedules.split(",")}
+    if args.measure_machine or args.measure_p2p:
+        what = "the machine" if args.measure_machine else "the p2p link"
+        print(f"measuring {what} with local processes (a few seconds) ...", flush=True)
     plan = make_plan(
         model, inputs if isinstance(inputs, tuple) else (inputs,), target, loss_fn,
         world_size=args.world_size, memory_per_rank=args.memory,
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(plan)
     print("split points: " + (", ".join(plan.split_points) or "none"))
+    figures = ", ".join(f"{k} {v:.3g}" for k, v in plan.assumptions.items())
+    print(f"machine figures assumed: {figures}")
     plan.save(args.out)
     print(f"wrote {args.out}")
     if args.png:
