@@ -34,6 +34,8 @@ def test_bad_arguments_are_refused() -> None:
         measure_machine(2, device="tpu")
     with pytest.raises(PlanError, match="slowdown must be > 0"):
         meshpipe.plan(nn.Linear(2, 2), (torch.randn(4, 2),), world_size=1, slowdown=0.0)
+    with pytest.raises(PlanError, match="tp_efficiency in"):
+        meshpipe.plan(nn.Linear(2, 2), (torch.randn(4, 2),), world_size=1, tp_efficiency=2.0)
 
 
 @pytest.mark.timeout(300)
@@ -47,6 +49,7 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
     assert 1.0 <= cost.slowdown < 8.0, cost
     assert 0.0 <= cost.overhead < 0.05 and 0.0 <= cost.step_overhead < 0.2, cost
     assert cost.dp_bandwidth > 1e6 and (math.isinf(cost.dp_bandwidth) or cost.dp_bandwidth < 1e12)
+    assert 0.0 <= cost.tp_efficiency <= 1.0, cost
     (m1, t1), _, (m2, t2) = cost.points
     assert (m1, m2) == (2, 8) and t2 > t1 > 0, cost.points  # 8 microbatches take longer
 

@@ -47,6 +47,7 @@ def plan(
     overhead: float = 5e-5,
     step_overhead: float = 0.0,
     slowdown: float = 1.0,
+    tp_efficiency: float = 0.8,
     repeats: int = 3,
     profile: Profile | None = None,
     num_runners_up: int = 5,
@@ -82,19 +83,21 @@ def plan(
     ``world_size`` local processes on the profile's device and measures, with the runtime
     itself, what a profile in one process does not see (``meshpipe.plan.machine``): the
     compute ``slowdown`` when every process runs at once, the runtime's ``overhead`` per
-    action and ``step_overhead`` per step, and ``dp_bandwidth`` as DDP's reduction
-    overlapped with a backward costs it. The arguments of the same names are the figures
-    used otherwise (documented defaults; ``slowdown`` multiplies the profile's times).
+    action and ``step_overhead`` per step, ``dp_bandwidth`` as DDP's reduction overlapped
+    with a backward costs it, and ``tp_efficiency`` from a tensor-parallel MLP block. The
+    arguments of the same names are the figures used otherwise (documented defaults;
+    ``slowdown`` multiplies the profile's times).
     """
     _check_int("world_size", world_size)
     _check_int("max_microbatches", max_microbatches)
     _check_int("repeats", repeats)
     if memory_per_rank is not None:
         _check_int("memory_per_rank", memory_per_rank)
-    if not slowdown > 0 or step_overhead < 0 or overhead < 0:
+    if not slowdown > 0 or step_overhead < 0 or overhead < 0 or not 0 <= tp_efficiency <= 1:
         raise PlanError(
-            f"slowdown must be > 0 and the overheads >= 0, got slowdown={slowdown!r}, "
-            f"overhead={overhead!r}, step_overhead={step_overhead!r}"
+            f"slowdown must be > 0, the overheads >= 0 and tp_efficiency in [0, 1], got "
+            f"slowdown={slowdown!r}, overhead={overhead!r}, step_overhead={step_overhead!r}, "
+            f"tp_efficiency={tp_efficiency!r}"
         )
     if profile is None:
         args = tuple(example_args) if isinstance(example_args, list | tuple) else (example_args,)
@@ -118,10 +121,11 @@ def plan(
         machine = measure_on(world_size, device, p2p_latency=p2p_latency)
         overhead, step_overhead = machine.overhead, machine.step_overhead
         slowdown, dp_bandwidth = machine.slowdown, machine.dp_bandwidth
+        tp_efficiency = machine.tp_efficiency
     settings = Settings(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
         p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,
-        slowdown=slowdown, step_overhead=step_overhead,
+        slowdown=slowdown, step_overhead=step_overhead, tp_efficiency=tp_efficiency,
     )  # fmt: skip
     if measured is not None:
         from meshpipe.plan.calibrate import calibrated_profile

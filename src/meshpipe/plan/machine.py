@@ -22,6 +22,11 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
   DDP over every process; ``2 (n-1)/n x bytes`` over the difference. On a CPU the
   reduction takes cores from the backward, which an all-reduce timed alone does not show.
 
+- **tp_efficiency**: an MLP block (``TP_WIDTH`` wide, 4x inside, ``TP_ROWS`` rows) forward
+  and backward alone in one process, then tensor-parallel over every process (DTensor,
+  column- then row-wise); ``(speedup x slowdown - 1) / (n - 1)``, in [0, 1], as the planner
+  reads it (speed at tp ``t``: ``(1 + (t - 1) x efficiency) / slowdown``).
+
 The link (latency, bandwidth) comes from ``meshpipe.plan.link.measure_link``.
 """
 
@@ -55,6 +60,7 @@ PROBE_WIDTH, PROBE_DEPTH, PROBE_ROWS = (
     32,
 )  # each probe stage: about 1 ms of compute on one CPU core
 ALONE_SECONDS = 0.3  # at most this long for rank 0's workload alone
+TP_WIDTH, TP_ROWS = 512, 128  # the tensor-parallel probe: an MLP block 4x wide
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class MachineCost:
     step_overhead: float
     dp_bandwidth: float
     points: tuple[tuple[int, float], ...] = ()  # (microbatches, step seconds) of the probe
+    tp_efficiency: float = 0.8  # speedup at tp = t is 1 + (t - 1) x this
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,19 +117,9 @@ def _slowdown(device: torch.device, repeats: int) -> float | None:
     import torch.distributed as dist
 
     run = _workload(device)
-    run()  # warm-up
-    dist.barrier()
-    alone: list[float] = []
-    if dist.get_rank() == 0:
-        start = time.perf_counter()
-        while len(alone) < repeats and time.perf_counter() - start < ALONE_SECONDS:
-            t0 = time.perf_counter()
-            run()
-            alone.append(time.perf_counter() - t0)
-    else:
-        time.sleep(ALONE_SECONDS * 1.5)
+    alone = _alone(run, repeats)
     together = _typical_time(run, repeats, dist.barrier)
-    return together / _low(alone) if alone else None
+    return together / alone if alone else None
 
 
 def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
@@ -207,6 +204,63 @@ def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
     return plain, reduced
 
 
+def _tp_probe(device: torch.device, repeats: int) -> float | None:
+    """An MLP block's forward and backward alone in rank 0 (the others sleep), against the
+    same block tensor-parallel over every process (DTensor: column- then row-wise, as a
+    ``tp_plan`` shards one): the speedup, on rank 0 (None on the others)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    n = dist.get_world_size()
+    torch.manual_seed(0)
+
+    def block() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(TP_WIDTH, 4 * TP_WIDTH), nn.GELU(), nn.Linear(4 * TP_WIDTH, TP_WIDTH)
+        ).to(device)
+
+    x = torch.randn(TP_ROWS, TP_WIDTH, device=device)
+    whole = block()
+
+    def run(m: nn.Module) -> Any:
+        def once() -> None:
+            m(x).square().mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return once
+
+    alone = _alone(run(whole), repeats)
+    mesh = init_device_mesh(device.type, (n,), mesh_dim_names=("tp",))
+    sharded = parallelize_module(block(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    together = _typical_time(run(sharded), repeats, dist.barrier)
+    return alone / together if alone is not None else None
+
+
+def _alone(fn: Any, repeats: int) -> float | None:
+    """``fn``'s typical seconds on rank 0 while the others sleep; None on the others."""
+    import torch.distributed as dist
+
+    fn()  # warm-up
+    dist.barrier()
+    times: list[float] = []
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        while len(times) < repeats and time.perf_counter() - start < ALONE_SECONDS:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    else:
+        time.sleep(ALONE_SECONDS * 1.5)
+    dist.barrier()
+    return _low(times) if times else None
+
+
 def _probe(device_type: str, repeats: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -222,8 +276,12 @@ def _probe(device_type: str, repeats: int) -> dict[str, Any]:
     )
     slowdown = _slowdown(device, repeats)
     plain, reduced = _reduce_probe(device, repeats)
+    speedup = _tp_probe(device, repeats)
     probe = _runtime_probe(device, repeats)
-    return {"rank": rank, "slowdown": slowdown, "plain": plain, "ddp": reduced, **probe}
+    return {
+        "rank": rank, "slowdown": slowdown, "plain": plain, "ddp": reduced,
+        "tp_speedup": speedup, **probe,
+    }  # fmt: skip
 
 
 def _makespan(n: int, mb: int, f: float, b: float, p2p: float) -> float:
@@ -275,10 +333,13 @@ def measure_machine(
     f, b = statistics.median(g["f"] for g in got), statistics.median(g["b"] for g in got)
     overhead = statistics.median(g["host"][-1] for g in got)  # the most actions per step
     step = fit_runtime(n, f, b, points, p2p_latency, overhead)
-    cost = MachineCost(n, slowdown, overhead, step, dp_bandwidth, tuple(points))
+    speedup = next(g["tp_speedup"] for g in got if g["tp_speedup"] is not None)
+    # the planner's speed at tp = t is (1 + (t - 1) x efficiency) / slowdown
+    tp_efficiency = min(1.0, max(0.0, (speedup * slowdown - 1.0) / (n - 1)))
+    cost = MachineCost(n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency)
     log.info(
         "machine measured in %.1f s: slowdown %.2f, overhead %.0f us per action, %.2f ms per "
-        "step, dp reduction %.2f GB/s", time.perf_counter() - t0, slowdown, overhead * 1e6,
-        step * 1e3, dp_bandwidth / 1e9,
+        "step, dp reduction %.2f GB/s, tp efficiency %.2f", time.perf_counter() - t0,
+        slowdown, overhead * 1e6, step * 1e3, dp_bandwidth / 1e9, tp_efficiency,
     )  # fmt: skip
     return cost
