@@ -61,7 +61,11 @@ class IntProgram:
     codes). Per rank: its operations in posting order, packed (``ops``, see
     :class:`~meshpipe.schedule.unit.Packing`); per group, the ``positions`` of the actions
     they are posted before, and ``bounds``: the index of each group's first operation,
-    then the number of operations. (Few and long lists: the collector walks each item.)"""
+    then the number of operations. (Few and long lists: the collector walks each item.)
+    ``unit_placed``: placed by :func:`~meshpipe.schedule.unit.unit_program`, so it runs to
+    the end under rendezvous semantics by construction (the proof is in
+    :mod:`meshpipe.schedule.rendezvous`); False for any other program, which rule 4 plays
+    out."""
 
     num_ranks: int
     replayed: bool  # placed by replay(): the unit-time replay on ints refused the schedule
@@ -69,6 +73,7 @@ class IntProgram:
     ops: tuple[list[int], ...]
     positions: tuple[list[int], ...]
     bounds: tuple[list[int], ...]
+    unit_placed: bool = False
 
     def pair_codes(self, rank: int) -> list[int]:
         """``rank``'s operations' pair codes, in posting order."""
@@ -97,7 +102,9 @@ def _build_int_program(schedule: Schedule) -> IntProgram:
         placed, replayed = _placed_by_replay(schedule), True
     pack = packing(schedule)
     positions, bounds = zip(*(_finish(ops, pack) for ops in placed), strict=True)
-    return IntProgram(schedule.num_ranks, replayed, pack, tuple(placed), positions, bounds)
+    return IntProgram(
+        schedule.num_ranks, replayed, pack, tuple(placed), positions, bounds, not replayed
+    )
 
 
 def peers_by_pair_code(p: int) -> list[int]:
