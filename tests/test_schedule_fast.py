@@ -24,10 +24,17 @@ from meshpipe.schedule import program as program_mod
 from meshpipe.schedule import rendezvous as rendezvous_mod
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.nogc import collector_paused
-from meshpipe.schedule.program import IntProgram, _placed_by_replay, int_program, program_positions
+from meshpipe.schedule.program import (
+    IntProgram,
+    _finish,
+    _finish_counted,
+    _placed_by_replay,
+    int_program,
+    program_positions,
+)
 from meshpipe.schedule.rendezvous import check_rendezvous
 from meshpipe.schedule.replay import check_dataflow
-from meshpipe.schedule.unit import packing, unit_program
+from meshpipe.schedule.unit import packing, unit_placement, unit_program
 
 MULTI = ("interleaved_1f1b", "looped_bfs")  # accept any stages_per_rank
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +65,12 @@ def test_fast_placement_equals_the_reference_replay() -> None:
         fast = unit_program(s)
         assert fast is not None, s.name
         assert placed_sorted(fast) == placed_sorted(_placed_by_replay(s)), (s.name, s.num_ranks)
+        # the groups counted as the replay places them are those found in the sorted ints
+        counted = unit_placement(s)
+        assert counted is not None
+        pack = packing(s)
+        for ops, sizes in zip(*counted, strict=True):
+            assert _finish_counted(list(ops), sizes) == _finish(list(ops), pack)
         count += 1
     assert count > 200
 
@@ -106,13 +119,13 @@ def test_fast_pass_agrees_with_check_dataflow() -> None:
 @pytest.fixture
 def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls = [0]
-    original = program_mod.unit_program
+    original = program_mod.unit_placement
 
     def counted(schedule: Schedule) -> Any:
         calls[0] += 1
         return original(schedule)
 
-    monkeypatch.setattr(program_mod, "unit_program", counted)
+    monkeypatch.setattr(program_mod, "unit_placement", counted)
     return calls
 
 

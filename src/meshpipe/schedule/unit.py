@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from meshpipe.schedule.ir import Action, Op, Schedule
 
-__all__ = ["Link", "Packing", "Placed", "links", "packing", "unit_program"]
+__all__ = ["Link", "Packing", "Placed", "links", "packing", "unit_placement", "unit_program"]
 
 # Per rank, its operations in the order they were placed, each packed in one int (see
 # :class:`Packing`) so that, sorted, they are in posting order.
@@ -88,6 +88,15 @@ def unit_program(schedule: Schedule) -> Placed | None:
     """The program's operations, placed by the unit-time replay (see :data:`Placed`); None
     where it fails (a receive gets another message than it names, a rank never finishes, a
     message is never received or sent twice): check_dataflow and replay say what and where.
+    See :func:`unit_placement`."""
+    placement = unit_placement(schedule)
+    return None if placement is None else placement[0]
+
+
+def unit_placement(schedule: Schedule) -> tuple[Placed, Placed] | None:
+    """What :func:`unit_program` gives, and per rank and position the number of operations
+    in the group posted before the action there (so the groups need not be found again
+    once the operations are sorted); None where the replay fails.
 
     A receive waits for the message it names, not for the next one on its pair of ranks,
     and checks that its pair's messages arrive in the order they were sent (a rank sends
@@ -114,8 +123,9 @@ def unit_program(schedule: Schedule) -> Placed | None:
     )
     keys: list[list[int]] = [[] for _ in range(p)]
     placed: Placed = [[] for _ in range(p)]
+    sizes: Placed = [[0] * (len(row) + 1) for row in rows]
     resume = [
-        _rank_replay(rank, rows[rank], keys[rank], placed[rank], shared).__next__
+        _rank_replay(rank, rows[rank], keys[rank], (placed[rank], sizes[rank]), shared).__next__
         for rank in range(p)
     ]
     while ready:
@@ -124,7 +134,7 @@ def unit_program(schedule: Schedule) -> Placed | None:
         except StopIteration as finished:
             if not finished.value:
                 return None
-    return placed if _complete(rows, keys, shared.born, placed) else None
+    return (placed, sizes) if _complete(rows, keys, shared.born, placed) else None
 
 
 class _Shared(NamedTuple):
@@ -142,13 +152,19 @@ class _Shared(NamedTuple):
 
 
 def _rank_replay(
-    rank: int, row: Sequence[Action], mine: list[int], placed: list[int], shared: _Shared
+    rank: int,
+    row: Sequence[Action],
+    mine: list[int],
+    out: tuple[list[int], list[int]],
+    shared: _Shared,
 ) -> Generator[None, None, bool]:
     """One rank's replay: appends its actions' keys to ``mine`` and its operations to
-    ``placed``; yields while it waits for a message; returns False where the replay fails
-    (a message received out of order or twice, or sent twice), True at the end of its row."""
+    ``out[0]``, counting them per group position in ``out[1]``; yields while it waits for a
+    message; returns False where the replay fails (a message received out of order or
+    twice, or sent twice), True at the end of its row."""
     p, fwd, bwd, group, low, born, last, waiting, wake = shared
-    put, put_key, t = placed.append, mine.append, rank
+    put, size = out[0].append, out[1]
+    put_key, t = mine.append, rank
     op_f, op_w = Op.F, Op.W
     for i, a in enumerate(row):
         op = a.op
@@ -170,7 +186,9 @@ def _rank_replay(
                 return False
             last[pin] = b
             # before the first action here keyed above the producer, at the latest now
-            put((bisect_right(mine, b) << group) + (1 + i << low) + pay_in + mb4)
+            g = bisect_right(mine, b)
+            size[g] += 1
+            put((g << group) + (1 + i << low) + pay_in + mb4)
             b += delay
             if b > t:
                 t = b
@@ -180,6 +198,7 @@ def _rank_replay(
             if born[end] >= 0:
                 return False
             born[end] = t
+            size[i + 1] += 1
             put((i + 1 << group) + pay_out + mb4)
             if waiting[pout] >= 0:
                 wake(waiting[pout])
