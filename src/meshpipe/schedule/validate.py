@@ -18,8 +18,10 @@ Rules, checked in this order (the first broken one is reported):
    (:func:`~meshpipe.schedule.program.p2p_program`: per rank, groups of sends and receives
    posted one after another, each once the one before it has completed) runs to the end when
    a send completes only once its matching receive is posted, as NCCL does for large
-   messages. A refusal names the ranks of the wait-for cycle, the group and operation each
-   is stuck on, and the actions that produce and consume those messages.
+   messages. For a program the unit-time replay of rule 3 placed, that holds by
+   construction (proved in :mod:`meshpipe.schedule.rendezvous`); any other is played out.
+   A refusal names the ranks of the wait-for cycle, the group and operation each is stuck
+   on, and the actions that produce and consume those messages.
 
 Errors are :class:`~meshpipe.errors.ScheduleError` carrying ``rank``, ``position`` and
 ``action`` of the offending cell, and the grid with that cell bracketed. When what is wrong
