@@ -47,15 +47,21 @@ __all__ = ["validate"]
 def validate(schedule: Schedule, *, rendezvous: bool = True) -> None:
     """Raise ScheduleError unless ``schedule`` is complete, ordered and deadlock-free (with
     ``rendezvous=True``, also when sends complete only once their receives are posted)."""
+    _check_rules_1_2(schedule)
+    if not _program_placed(schedule, build=rendezvous):
+        check_dataflow(schedule)  # rule 3, saying what and where where it fails
+    if rendezvous:
+        check_rendezvous(schedule)
+
+
+def _check_rules_1_2(schedule: Schedule) -> None:
+    """Rules 1 and 2 (their index of positions goes with this call: the replay that follows
+    need not keep it alive, nor the collector walk it)."""
     table = _index(schedule)
     if not _rules_1_2_hold(schedule, table):  # then the checks that say what is wrong
         _check_complete(schedule, table)
         if not _locally_ordered(schedule, table):
             _check_local_order(schedule, table)
-    if not _program_placed(schedule, build=rendezvous):
-        check_dataflow(schedule)  # rule 3, saying what and where where it fails
-    if rendezvous:
-        check_rendezvous(schedule)
 
 
 def _program_placed(schedule: Schedule, build: bool) -> bool:
