@@ -1,6 +1,8 @@
 """The schedule tools' fast paths: the p2p program is computed once per schedule, in integer
 form, by a replay that places every operation where the reference replay does; rule 3's fast
-pass agrees with check_dataflow; rule 4 still plays out the program it is given."""
+pass agrees with check_dataflow; a program that replay placed runs under rendezvous sends by
+construction (played out here, not by validate); rule 4 still plays out the program it is
+given."""
 
 from __future__ import annotations
 
@@ -19,12 +21,20 @@ from meshpipe.errors import ScheduleError
 from meshpipe.schedule import P2P, Schedule, get_schedule, p2p_program, schedule_names, validate
 from meshpipe.schedule import memo as memo_mod
 from meshpipe.schedule import program as program_mod
+from meshpipe.schedule import rendezvous as rendezvous_mod
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.nogc import collector_paused
-from meshpipe.schedule.program import IntProgram, _placed_by_replay, program_positions
+from meshpipe.schedule.program import (
+    IntProgram,
+    _finish,
+    _finish_counted,
+    _placed_by_replay,
+    int_program,
+    program_positions,
+)
 from meshpipe.schedule.rendezvous import check_rendezvous
 from meshpipe.schedule.replay import check_dataflow
-from meshpipe.schedule.unit import packing, unit_program
+from meshpipe.schedule.unit import packing, unit_placement, unit_program
 
 MULTI = ("interleaved_1f1b", "looped_bfs")  # accept any stages_per_rank
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +65,12 @@ def test_fast_placement_equals_the_reference_replay() -> None:
         fast = unit_program(s)
         assert fast is not None, s.name
         assert placed_sorted(fast) == placed_sorted(_placed_by_replay(s)), (s.name, s.num_ranks)
+        # the groups counted as the replay places them are those found in the sorted ints
+        counted = unit_placement(s)
+        assert counted is not None
+        pack = packing(s)
+        for ops, sizes in zip(*counted, strict=True):
+            assert _finish_counted(list(ops), sizes) == _finish(list(ops), pack)
         count += 1
     assert count > 200
 
@@ -103,13 +119,13 @@ def test_fast_pass_agrees_with_check_dataflow() -> None:
 @pytest.fixture
 def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls = [0]
-    original = program_mod.unit_program
+    original = program_mod.unit_placement
 
     def counted(schedule: Schedule) -> Any:
         calls[0] += 1
         return original(schedule)
 
-    monkeypatch.setattr(program_mod, "unit_program", counted)
+    monkeypatch.setattr(program_mod, "unit_placement", counted)
     return calls
 
 
@@ -209,6 +225,52 @@ def test_rule_4_plays_out_the_program_it_is_given() -> None:
     assert str(own.value) == str(direct.value)
     with pytest.raises(ScheduleError, match="deadlocks when a send completes"):
         validate(s)
+
+
+def test_unit_placed_programs_run_under_rendezvous() -> None:
+    # the proof in rendezvous.py, checked: every program the unit-time replay placed (every
+    # generator over the grid, and the mutated schedules it runs, rules 1-2 broken or not)
+    # plays out to the end; one placed from replay()'s times is not trusted
+    played = 0
+    for t in [*grid(), *mutations(seed=7, count=1500)]:
+        prog = int_program(t) if unit_program(t) is not None else None
+        if prog is not None:
+            assert prog.unit_placed and not prog.replayed
+            assert rendezvous_mod._runs(prog), (t.name, t.to_text())
+            played += 1
+    assert played > 400
+    assert not int_program(repeated()).unit_placed
+
+
+def repeated() -> Schedule:
+    """interleaved_1f1b on 2 ranks, 2 microbatches, with each action of microbatch 0 four
+    times: replay() runs it, the unit-time replay refuses it (messages sent twice), and the
+    program placed from replay()'s times deadlocks under rendezvous sends."""
+    s = get_schedule("interleaved_1f1b", 2, 2)
+    rows = [[x for a in row for x in ((a,) * 4 if a.mb == 0 else (a,))] for row in s.actions]
+    return Schedule(2, 2, s.placement, rows)
+
+
+def test_validate_does_not_play_out_its_own_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rule 4 on a unit-placed program is the proof, not a play-out; a program given, or one
+    # placed from replay()'s times, is played out (and refused where it deadlocks)
+    plays = [0]
+    original = rendezvous_mod._play
+
+    def counted(flat: Any) -> Any:
+        plays[0] += 1
+        return original(flat)
+
+    monkeypatch.setattr(rendezvous_mod, "_play", counted)
+    s = get_schedule("zbv", 8, 16)
+    validate(s)
+    check_rendezvous(s)
+    assert plays == [0]
+    check_rendezvous(s, p2p_program(s))  # a program given: played out, it runs
+    assert plays == [1]
+    with pytest.raises(ScheduleError, match="ranks 0 -> 1 -> 0 wait for each other"):
+        check_rendezvous(repeated())  # placed from replay()'s times: played out
+    assert plays == [3]  # the int form, then the P2P form the report is made from
 
 
 def run_bench(*args: str) -> str:

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from meshpipe.errors import ScheduleError
-from meshpipe.schedule import Action, Op, Schedule, get_schedule, validate
+from meshpipe.schedule import Action, Op, Schedule, get_schedule, schedule_names, validate
 from meshpipe.schedule.replay import check_dataflow, check_message_order
+from meshpipe.schedule.validate import (
+    _check_complete,
+    _check_local_order,
+    _index,
+    _rules_1_2_hold,
+)
 
 
 def text(*rows: str) -> Schedule:
@@ -148,3 +156,52 @@ def test_check_dataflow_directly() -> None:
 def test_schedule_error_is_value_error() -> None:
     with pytest.raises(ValueError):
         validate(text("0F0", "1B0"))
+
+
+def _rules_1_2_verdict(s: Schedule) -> bool:
+    """Whether the scans that locate faults find none (the reference for the fast check)."""
+    table = _index(s)
+    try:
+        _check_complete(s, table)
+        _check_local_order(s, table)
+    except ScheduleError:
+        return False
+    return True
+
+
+def test_fast_rules_1_2_agree_with_the_scans() -> None:
+    # the whole-table check of rules 1-2 accepts exactly what the scans accept: schedules
+    # with one to three actions swapped, moved, dropped, given another op or added (those
+    # _index and Schedule accept), over every generator
+    rng = random.Random(20)
+    small = [get_schedule(n, p, m) for n in schedule_names() for p in (1, 2, 3) for m in (1, 3)]
+    ops = list(Op)
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        s = rng.choice(small)
+        rows = [list(row) for row in s.actions]
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            row = rows[rng.randrange(len(rows))]
+            if not row:
+                continue
+            i, j = rng.randrange(len(row)), rng.randrange(len(row))
+            kind = rng.randrange(5)
+            if kind == 0:
+                row[i], row[j] = row[j], row[i]
+            elif kind == 1:
+                row.insert(j, row.pop(i))
+            elif kind == 2:
+                del row[i]
+            elif kind == 3:
+                row[i] = Action(rng.choice(ops), row[i].stage, row[i].mb)
+            else:
+                row.insert(j, Action(rng.choice(ops), row[i].stage, row[i].mb))
+        try:
+            t = Schedule(s.num_ranks, s.num_microbatches, s.placement, rows, s.name)
+            table = _index(t)
+        except ScheduleError:
+            continue
+        verdict = _rules_1_2_verdict(t)
+        assert _rules_1_2_hold(t, table) == verdict, t.to_text()
+        seen[verdict] += 1
+    assert seen[True] > 100 and seen[False] > 1000

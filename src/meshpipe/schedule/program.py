@@ -25,7 +25,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress, count, islice, repeat
+from itertools import accumulate, compress, count, islice, repeat
 from operator import and_, ne, rshift
 from typing import NamedTuple
 
@@ -34,7 +34,7 @@ from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.memo import memo, peek
 from meshpipe.schedule.nogc import collector_paused
 from meshpipe.schedule.replay import replay
-from meshpipe.schedule.unit import Packing, Placed, packing, unit_program
+from meshpipe.schedule.unit import Packing, Placed, packing, unit_placement
 
 __all__ = ["P2P", "IntProgram", "Program", "int_program", "p2p_program", "program_positions"]
 
@@ -61,7 +61,11 @@ class IntProgram:
     codes). Per rank: its operations in posting order, packed (``ops``, see
     :class:`~meshpipe.schedule.unit.Packing`); per group, the ``positions`` of the actions
     they are posted before, and ``bounds``: the index of each group's first operation,
-    then the number of operations. (Few and long lists: the collector walks each item.)"""
+    then the number of operations. (Few and long lists: the collector walks each item.)
+    ``unit_placed``: placed by :func:`~meshpipe.schedule.unit.unit_program`, so it runs to
+    the end under rendezvous semantics by construction (the proof is in
+    :mod:`meshpipe.schedule.rendezvous`); False for any other program, which rule 4 plays
+    out."""
 
     num_ranks: int
     replayed: bool  # placed by replay(): the unit-time replay on ints refused the schedule
@@ -69,6 +73,7 @@ class IntProgram:
     ops: tuple[list[int], ...]
     positions: tuple[list[int], ...]
     bounds: tuple[list[int], ...]
+    unit_placed: bool = False
 
     def pair_codes(self, rank: int) -> list[int]:
         """``rank``'s operations' pair codes, in posting order."""
@@ -92,12 +97,18 @@ def _int_program(schedule: Schedule) -> IntProgram:
 
 
 def _build_int_program(schedule: Schedule) -> IntProgram:
-    placed, replayed = unit_program(schedule), False
-    if placed is None:  # what the replay makes of it: it raises on a mismatch or a deadlock
-        placed, replayed = _placed_by_replay(schedule), True
     pack = packing(schedule)
-    positions, bounds = zip(*(_finish(ops, pack) for ops in placed), strict=True)
-    return IntProgram(schedule.num_ranks, replayed, pack, tuple(placed), positions, bounds)
+    placement = unit_placement(schedule)
+    if placement is None:  # what the replay makes of it: it raises on a mismatch or a deadlock
+        placed = _placed_by_replay(schedule)
+        positions, bounds = zip(*(_finish(ops, pack) for ops in placed), strict=True)
+    else:
+        placed, sizes = placement
+        positions, bounds = zip(*map(_finish_counted, placed, sizes), strict=True)
+    replayed = placement is None
+    return IntProgram(
+        schedule.num_ranks, replayed, pack, tuple(placed), positions, bounds, not replayed
+    )
 
 
 def peers_by_pair_code(p: int) -> list[int]:
@@ -115,6 +126,13 @@ def _finish(ops: list[int], pack: Packing) -> tuple[list[int], list[int]]:
     positions = list(map(at.__getitem__, bounds))
     bounds.append(len(at))
     return positions, bounds
+
+
+def _finish_counted(ops: list[int], sizes: list[int]) -> tuple[list[int], list[int]]:
+    """What :func:`_finish` gives, knowing how many operations each position's group holds
+    (``sizes``, by position; 0: no group)."""
+    ops.sort()
+    return list(compress(count(), sizes)), [0, *accumulate(filter(None, sizes))]
 
 
 def _placed_by_replay(schedule: Schedule) -> Placed:

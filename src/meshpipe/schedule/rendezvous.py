@@ -18,17 +18,44 @@ operations. On a deadlock it follows, from the lowest stuck rank, the peer each 
 waits for until a rank repeats, and reports that cycle; the actions involved are found by
 the messages' transfers, so a hand-built program is reported the same way.
 
-For a schedule that passes validate's rules 1-3, its own program always runs to the end.
-Key each group by the (start, rank), in the unit-time replay, of the action it is posted
-before (after the last action: infinity). Say a rank stuck in group G waits for a peer that
-has not yet posted the group H holding the match: the peer is stuck in a group before H.
-If G's operation is a send, G follows the producer, and the groups before H (the receive)
-precede actions keyed at most the producer's. If it is a receive, H follows the producer,
-so the groups before H are keyed at most the producer's, and G precedes the first action
-keyed above it. Either way the peer's key is below G's: keys fall along every wait, so the
-waits form no cycle; and per pair of ranks the receives are posted in the order of the
-matching sends, so every operation has its match. The check thus guards the program's
-construction, and checks hand-built programs. Imports no torch.
+The schedule's own program, when the unit-time replay of :mod:`meshpipe.schedule.unit`
+placed it (every schedule that passes validate's rules 1-3, and any other it runs to the
+end), always runs to the end; check_rendezvous trusts that construction and does not play
+it out (:attr:`~meshpipe.schedule.program.IntProgram.unit_placed`). It plays out every
+other program: a hand-built one, and one placed from replay()'s times (a schedule the
+unit-time replay refuses but replay() runs, such as one with an action twice). The proof,
+for a program placed by that replay:
+
+- *Keys.* The replay gives each action a key, ``start * num_ranks + rank``, rising along
+  each row. A group is posted before the action at its position; give the group that
+  action's key (after the last action: infinity). A rank's groups are in position order,
+  so their keys rise along its program.
+- *Placement.* The send of a message produced by action A (key kA) is in the group at A's
+  position + 1: that group's key is above kA. Its receive is in the group at
+  ``bisect_right`` of kA in the receiver's keys of the actions before the consumer (or at
+  the consumer, whose key is at least kA + 1): that group's key is above kA, and every
+  group before it precedes an action keyed at most kA.
+- *Every operation has its match.* The replay ran every row, sent every message at most
+  once, each receive took the message it names (none twice), and there are as many
+  receives as sends: messages and receives correspond one to one. Per ordered pair of
+  ranks, the sends are posted in the order of their producers (one per action, at distinct
+  positions), which is the order of their keys. The replay checks that each rank receives
+  a pair's messages in the order of their producers' keys; a receive's group position is
+  monotone in that key, and within a group receives are posted in their consumers' order:
+  so the k-th receive posted on a pair is the k-th message sent on it, which is the k-th
+  send, as the model pairs them.
+- *No wait closes a cycle.* At the fixpoint, say rank r is stuck in group G on an
+  operation whose match the peer q posts in group H; q has not posted H, so q is stuck in
+  a group G' before H. If the operation is a send of A's output (r produces it), G is at
+  A's position + 1, so key(G) > kA, and G' comes before the receive's group H, so it
+  precedes an action of q keyed at most kA. If it is a receive (q produces it with A),
+  key(G) > kA, and H is at A's position + 1, so G' is at a position up to A's. Either way
+  key(G') <= kA < key(G). Keys thus fall strictly along every wait, so no rank is stuck
+  (the waits from it would go on forever among finitely many ranks): every rank reaches
+  its end.
+
+``tests/test_schedule_fast.py`` plays out the unit-placed programs of every generator over
+a grid of sizes and of mutated schedules, guarding this construction. Imports no torch.
 """
 
 from __future__ import annotations
@@ -67,7 +94,8 @@ def check_rendezvous(schedule: Schedule, program: Program | None = None) -> None
     the end under rendezvous semantics; the error names the ranks of a wait-for cycle, the
     group and operation each is stuck on, and the actions involved."""
     if program is None:
-        if _runs(int_program(schedule)):
+        prog = int_program(schedule)
+        if prog.unit_placed or _runs(prog):  # unit-placed: runs by construction (above)
             return
         program = p2p_program(schedule)  # report on the P2P form: the same operations
     flat = flatten_program(program)

@@ -18,11 +18,12 @@ Imports no torch.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable, Generator, Sequence
 from typing import NamedTuple
 
-from meshpipe.schedule.ir import Op, Schedule
+from meshpipe.schedule.ir import Action, Op, Schedule
 
-__all__ = ["Link", "Packing", "Placed", "links", "packing", "unit_program"]
+__all__ = ["Link", "Packing", "Placed", "links", "packing", "unit_placement", "unit_program"]
 
 # Per rank, its operations in the order they were placed, each packed in one int (see
 # :class:`Packing`) so that, sorted, they are in posting order.
@@ -87,64 +88,123 @@ def unit_program(schedule: Schedule) -> Placed | None:
     """The program's operations, placed by the unit-time replay (see :data:`Placed`); None
     where it fails (a receive gets another message than it names, a rank never finishes, a
     message is never received or sent twice): check_dataflow and replay say what and where.
+    See :func:`unit_placement`."""
+    placement = unit_placement(schedule)
+    return None if placement is None else placement[0]
+
+
+def unit_placement(schedule: Schedule) -> tuple[Placed, Placed] | None:
+    """What :func:`unit_program` gives, and per rank and position the number of operations
+    in the group posted before the action there (so the groups need not be found again
+    once the operations are sorted); None where the replay fails.
 
     A receive waits for the message it names, not for the next one on its pair of ranks,
     and checks that its pair's messages arrive in the order they were sent (a rank sends
     in the order of its keys: their producers' keys must rise). With every message
-    received (see :func:`_complete`), that makes the two the same."""
+    received (see :func:`_complete`), that makes the two the same.
+
+    Each rank runs as a generator that yields when it waits (resumed where it stopped,
+    without setting its loop up again); the result does not depend on the order ranks
+    are resumed in: a key is the longest chain of units and messages before it."""
     p, rows = schedule.num_ranks, schedule.actions
     fwd, bwd = links(schedule)
     pack = packing(schedule)
-    group, low = pack.group_shift, pack.low_bits
-    last = [-1] * (p * p)  # per pair: the producer key of the last message received
-    waiting = [-1] * (p * p)  # the rank blocked on a pair, or -1
-    born = [-1] * (4 * schedule.num_stages * schedule.num_microbatches)  # by receive end
+    ready = list(range(p))
+    shared = _Shared(
+        p,
+        fwd,
+        bwd,
+        pack.group_shift,
+        pack.low_bits,
+        [-1] * (4 * schedule.num_stages * schedule.num_microbatches),
+        [-1] * (p * p),
+        [-1] * (p * p),
+        ready.append,
+    )
     keys: list[list[int]] = [[] for _ in range(p)]
     placed: Placed = [[] for _ in range(p)]
-    clock = list(range(p))  # per rank: the key of its next action
-    ready = list(range(p))
-    op_f, op_w = Op.F, Op.W
+    sizes: Placed = [[0] * (len(row) + 1) for row in rows]
+    resume = [
+        _rank_replay(rank, rows[rank], keys[rank], (placed[rank], sizes[rank]), shared).__next__
+        for rank in range(p)
+    ]
     while ready:
-        rank = ready.pop()
-        row, mine, t, put = rows[rank], keys[rank], clock[rank], placed[rank].append
-        put_key = mine.append
-        for i in range(len(mine), len(row)):
-            a = row[i]
-            op = a.op
-            if op is op_w:
-                put_key(t)
-                t += p
-                continue
-            pin, pout, end_in, end_out, pay_in, pay_out, delay = (
-                fwd[a.stage] if op is op_f else bwd[a.stage]
-            )
-            mb4 = a.mb << 2
-            if pin >= 0:
-                b = born[end_in + mb4]
-                if b < 0:
-                    waiting[pin] = rank
-                    break
-                if b <= last[pin]:  # received before one sent earlier (or twice)
-                    return None
-                last[pin] = b
-                # before the first action here keyed above the producer, at the latest now
-                put((bisect_right(mine, b) << group) + (1 + i << low) + pay_in + mb4)
-                b += delay
-                if b > t:
-                    t = b
+        try:
+            resume[ready.pop()]()
+        except StopIteration as finished:
+            if not finished.value:
+                return None
+    return (placed, sizes) if _complete(rows, keys, shared.born, placed) else None
+
+
+class _Shared(NamedTuple):
+    """What the ranks of one unit-time replay share."""
+
+    num_ranks: int
+    fwd: list[Link]
+    bwd: list[Link]
+    group_shift: int
+    low_bits: int
+    born: list[int]  # per receive end: the key of the action that sent it, or -1
+    last: list[int]  # per pair: the producer key of the last message received, or -1
+    waiting: list[int]  # per pair: the rank blocked on it, or -1
+    wake: Callable[[int], None]  # makes a rank ready to resume
+
+
+def _rank_replay(
+    rank: int,
+    row: Sequence[Action],
+    mine: list[int],
+    out: tuple[list[int], list[int]],
+    shared: _Shared,
+) -> Generator[None, None, bool]:
+    """One rank's replay: appends its actions' keys to ``mine`` and its operations to
+    ``out[0]``, counting them per group position in ``out[1]``; yields while it waits for a
+    message; returns False where the replay fails (a message received out of order or
+    twice, or sent twice), True at the end of its row."""
+    p, fwd, bwd, group, low, born, last, waiting, wake = shared
+    put, size = out[0].append, out[1]
+    put_key, t = mine.append, rank
+    op_f, op_w = Op.F, Op.W
+    for i, a in enumerate(row):
+        op = a.op
+        if op is op_w:
             put_key(t)
-            if pout >= 0:
-                end = end_out + mb4 - 1  # its receive's end
-                if born[end] >= 0:
-                    return None
-                born[end] = t
-                put((i + 1 << group) + pay_out + mb4)
-                if waiting[pout] >= 0:
-                    ready.append(waiting[pout])
-                    waiting[pout] = -1
             t += p
-        clock[rank] = t
-    return placed if _complete(rows, keys, born, placed) else None
+            continue
+        pin, pout, end_in, end_out, pay_in, pay_out, delay = (
+            fwd[a.stage] if op is op_f else bwd[a.stage]
+        )
+        mb4 = a.mb << 2
+        if pin >= 0:
+            b = born[end_in + mb4]
+            while b < 0:
+                waiting[pin] = rank
+                yield
+                b = born[end_in + mb4]
+            if b <= last[pin]:  # received before one sent earlier (or twice)
+                return False
+            last[pin] = b
+            # before the first action here keyed above the producer, at the latest now
+            g = bisect_right(mine, b)
+            size[g] += 1
+            put((g << group) + (1 + i << low) + pay_in + mb4)
+            b += delay
+            if b > t:
+                t = b
+        put_key(t)
+        if pout >= 0:
+            end = end_out + mb4 - 1  # its receive's end
+            if born[end] >= 0:
+                return False
+            born[end] = t
+            size[i + 1] += 1
+            put((i + 1 << group) + pay_out + mb4)
+            if waiting[pout] >= 0:
+                wake(waiting[pout])
+                waiting[pout] = -1
+        t += p
+    return True
 
 
 def _complete(

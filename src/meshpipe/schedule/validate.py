@@ -18,8 +18,10 @@ Rules, checked in this order (the first broken one is reported):
    (:func:`~meshpipe.schedule.program.p2p_program`: per rank, groups of sends and receives
    posted one after another, each once the one before it has completed) runs to the end when
    a send completes only once its matching receive is posted, as NCCL does for large
-   messages. A refusal names the ranks of the wait-for cycle, the group and operation each
-   is stuck on, and the actions that produce and consume those messages.
+   messages. For a program the unit-time replay of rule 3 placed, that holds by
+   construction (proved in :mod:`meshpipe.schedule.rendezvous`); any other is played out.
+   A refusal names the ranks of the wait-for cycle, the group and operation each is stuck
+   on, and the actions that produce and consume those messages.
 
 Errors are :class:`~meshpipe.errors.ScheduleError` carrying ``rank``, ``position`` and
 ``action`` of the offending cell, and the grid with that cell bracketed. When what is wrong
@@ -45,14 +47,21 @@ __all__ = ["validate"]
 def validate(schedule: Schedule, *, rendezvous: bool = True) -> None:
     """Raise ScheduleError unless ``schedule`` is complete, ordered and deadlock-free (with
     ``rendezvous=True``, also when sends complete only once their receives are posted)."""
-    table = _index(schedule)
-    _check_complete(schedule, table)
-    if not _locally_ordered(schedule, table):
-        _check_local_order(schedule, table)
+    _check_rules_1_2(schedule)
     if not _program_placed(schedule, build=rendezvous):
         check_dataflow(schedule)  # rule 3, saying what and where where it fails
     if rendezvous:
         check_rendezvous(schedule)
+
+
+def _check_rules_1_2(schedule: Schedule) -> None:
+    """Rules 1 and 2 (their index of positions goes with this call: the replay that follows
+    need not keep it alive, nor the collector walk it)."""
+    table = _index(schedule)
+    if not _rules_1_2_hold(schedule, table):  # then the checks that say what is wrong
+        _check_complete(schedule, table)
+        if not _locally_ordered(schedule, table):
+            _check_local_order(schedule, table)
 
 
 def _program_placed(schedule: Schedule, build: bool) -> bool:
@@ -179,13 +188,47 @@ def _locally_ordered(
     Rule 1 holds: at most one of B and I per (stage, mb), so ``B + I`` is the position of
     the one present less 1, or -2 in an inference schedule."""
     pos_f, pos_b, pos_i, pos_w = table
-    m, place = schedule.num_microbatches, schedule.placement
     bwd = list(map(add, pos_b, pos_i))  # the B or I position - 1, -2 in an inference schedule
     training = bwd[0] >= -1
     if training and not all(map(ge, bwd, pos_f)):  # each backward after its forward
         return False
     if not all(map(ge, pos_w, pos_i)):  # each W after its I (both -1 when absent)
         return False
+    return _stage_order_holds(schedule, pos_f, bwd, training)
+
+
+def _rules_1_2_hold(
+    schedule: Schedule, table: tuple[list[int], list[int], list[int], list[int]]
+) -> bool:
+    """Whether rules 1 and 2 both hold, in a few whole-table passes (False sends us to
+    _check_complete and _locally_ordered, which tell which rule fails and where). Rule 1,
+    with no action twice (_index): every F; in a training schedule, every backward after
+    its F (rule 2) also says no key lacks both B and I (``B + I`` is -2 only there), so as
+    many B and I as keys means none has both; and as many I as W, with every W after its I
+    (rule 2; an absent W is -1, below any I), means each I has its W and each W its I."""
+    pos_f, pos_b, pos_i, pos_w = table
+    if min(pos_f) < 0:
+        return False
+    size = len(pos_f)
+    absent_b, absent_i, absent_w = pos_b.count(-1), pos_i.count(-1), pos_w.count(-1)
+    training = absent_b + absent_i + absent_w < 3 * size
+    bwd = list(map(add, pos_b, pos_i))  # the B or I position - 1, -2 in an inference schedule
+    if training and (
+        absent_b + absent_i != size
+        or absent_i != absent_w
+        or not all(map(ge, bwd, pos_f))  # each backward after its forward
+        or not all(map(ge, pos_w, pos_i))  # each W after its I
+    ):
+        return False
+    return _stage_order_holds(schedule, pos_f, bwd, training)
+
+
+def _stage_order_holds(
+    schedule: Schedule, pos_f: list[int], bwd: list[int], training: bool
+) -> bool:
+    """Rule 2 where two consecutive stages share a rank: F of stage s after F of s-1, the
+    backward of s after that of s+1."""
+    m, place = schedule.num_microbatches, schedule.placement
     for s in range(1, len(place)):
         if place[s - 1] == place[s]:
             lo, hi = slice((s - 1) * m, s * m), slice(s * m, (s + 1) * m)
