@@ -1,4 +1,4 @@
-"""After I, keep only the saved tensors W will use.
+"""After I, keep only the saved tensors W will use, and recompute the cheap ones.
 
 I runs the backward of the activation path and leaves the graph alive for W (the weight
 half needs the tensors the weight gradients are computed from, e.g. each Linear's input).
@@ -6,6 +6,15 @@ The rest of what the forward saved (activation functions' outputs, normalisation
 statistics...) is dead weight from I to W. Under :class:`Boxes` every tensor the forward
 saves goes into a box; after I, :func:`keep_for_weights` reads the saved tensors of the
 nodes W will run (which marks their boxes) and empties every other box.
+
+A saved tensor that a cheap, deterministic operation (a normalisation, an elementwise
+function: ``CHEAP``) computed from other saved tensors (and parameters), at least as large
+as each of them, is not held at all: its box keeps the operation and its arguments' boxes,
+and each unpack runs that operation again, on the same values, so it gives the same bits
+(e.g. a pre-norm block's LayerNorm output, saved as the next Linear's input, computed
+again from the LayerNorm's saved input). A :class:`_Recorder` (a torch dispatch mode)
+notes during the forward which operation made which tensor. Matmuls are never computed
+again.
 
 Used where the forward runs again at I anyway ("full" checkpointing by replay), so a
 microbatch holds between its I and its W only what W needs.
@@ -18,22 +27,134 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd.graph import Node
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["Boxes", "keep_for_weights", "OBSERVERS"]
+__all__ = ["Boxes", "keep_for_weights", "OBSERVERS", "CHEAP"]
 
 # memory ledgers counting what boxes hold (runtime/pipeline/memory.py; empty unless tracking)
 OBSERVERS: list[Callable[[torch.Tensor], None]] = []
 
+# operations a box may run again instead of holding their output: cheap next to a matmul,
+# and deterministic (the same inputs give the same bits; nothing random)
+CHEAP = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "native_layer_norm", "_fused_rms_norm", "gelu", "silu", "relu", "tanh", "sigmoid",
+        "mul", "add", "sub", "div", "neg", "rsqrt", "sqrt", "pow", "exp", "_to_copy",
+    )
+    if hasattr(torch.ops.aten, name)
+)  # fmt: skip
+
+
+_Key = tuple[Any, ...]
+
+
+def _key(t: torch.Tensor) -> _Key:
+    """Where a tensor's values live: two live tensors with equal keys hold equal values."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+class _Ref:
+    """A tensor argument of a recorded operation: where it lived and its version then."""
+
+    __slots__ = ("key", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.key = _key(t)
+        self.version = t._version
+
+
+class _Recipe:
+    """An operation to run again: ``func(*args, **kwargs)[index]``, tensor arguments given
+    as the boxes holding them (``args`` holds a box where the call had a tensor)."""
+
+    __slots__ = ("func", "args", "kwargs", "index")
+
+    def __init__(self, func: Any, args: list[Any], kwargs: dict[str, Any], index: int) -> None:
+        self.func, self.args, self.kwargs, self.index = func, args, kwargs, index
+
+    def boxes(self) -> list[_Box]:
+        return [a for a in self.args if isinstance(a, _Box)]
+
+    def run(self) -> torch.Tensor:
+        args = [a.value() if isinstance(a, _Box) else a for a in self.args]
+        with torch.no_grad():
+            out = self.func(*args, **self.kwargs)
+        result: torch.Tensor = out[self.index] if isinstance(out, tuple | list) else out
+        return result
+
 
 class _Box:
-    __slots__ = ("tensor", "kept", "__weakref__")
+    __slots__ = ("tensor", "recipe", "kept", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor: torch.Tensor | None = tensor
+    def __init__(self, tensor: torch.Tensor | None, recipe: _Recipe | None = None) -> None:
+        self.tensor = tensor
+        self.recipe = recipe
         self.kept = False
+
+    def value(self) -> torch.Tensor:
+        if self.tensor is not None:
+            return self.tensor
+        if self.recipe is not None:
+            return self.recipe.run()
+        raise PipelineError(
+            "internal: a tensor released after I was needed by W; please report this "
+            "with the model (activation_checkpointing='full' with a zero-bubble schedule)"
+        )
+
+
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Notes, for each plain tensor a ``CHEAP`` operation returns, how it was made (its
+    arguments by where they lived). Every other operation's outputs erase the notes of
+    where they live: a tensor made in the forward is made by an operation, so a note
+    never describes memory reused by another tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.made: dict[_Key, tuple[Any, list[Any], dict[str, Any], int, int]] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:  # fmt: skip
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cheap = func.overloadpacket in CHEAP and not _has_tensor(kwargs.values())
+        noted = _noted(args) if cheap else None
+        for i, o in enumerate(out if isinstance(out, tuple | list) else (out,)):
+            if type(o) is torch.Tensor:
+                if noted is None:
+                    self.made.pop(_key(o), None)
+                else:
+                    self.made[_key(o)] = (func, noted, kwargs, i, o._version)
+        return out
+
+
+def _noted(args: Iterable[Any]) -> list[Any] | None:
+    """The arguments of a call with each plain tensor as a :class:`_Ref` (parameters as
+    themselves); None where one cannot be (a tensor subclass, tensors in a list)."""
+    out: list[Any] = []
+    for a in args:
+        if type(a) is nn.Parameter:
+            out.append(a)
+        elif type(a) is torch.Tensor:
+            out.append(_Ref(a))
+        elif isinstance(a, torch.Tensor) or (isinstance(a, list | tuple) and _has_tensor(a)):
+            return None
+        else:
+            out.append(a)
+    return out
+
+
+def _has_tensor(values: Iterable[Any]) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in values)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class Boxes:
@@ -42,31 +163,56 @@ class Boxes:
     def __init__(self) -> None:
         self._boxes: list[_Box] = []
         self._marking = False
+        self._recorder = _Recorder()
+        self._held: dict[_Key, _Box] = {}  # boxes holding a tensor, by where it lives
 
     def _pack(self, t: torch.Tensor) -> _Box:
+        key = _key(t) if type(t) is torch.Tensor else None
+        recipe = self._recipe(key, t) if key is not None else None
         # detached: a saved output holding its own grad_fn would tie the graph in a cycle
         # through C++ that nothing collects (autograd restores the history on unpack)
-        box = _Box(t.detach())
+        box = _Box(None if recipe is not None else t.detach(), recipe)
         self._boxes.append(box)
-        for observe in OBSERVERS:
-            observe(t if box.tensor is None else box.tensor)
+        if box.tensor is not None:
+            if key is not None:
+                self._held.setdefault(key, box)  # held: its memory is not reused meanwhile
+            for observe in OBSERVERS:
+                observe(box.tensor)
         return box
+
+    def _recipe(self, key: _Key, t: torch.Tensor) -> _Recipe | None:
+        """How to make ``t`` again from boxes holding its arguments, if a cheap operation
+        made it from tensors no larger than itself, all saved (or parameters)."""
+        made = self._recorder.made.get(key)
+        if made is None or made[4] != t._version:
+            return None
+        func, noted, kwargs, index, _ = made
+        args: list[Any] = []
+        for a in noted:
+            if not isinstance(a, _Ref):
+                args.append(a)
+                continue
+            box = self._held.get(a.key)
+            held = box.tensor if box is not None else None
+            if held is None or held._version != a.version or _nbytes(held) > _nbytes(t):
+                return None
+            args.append(box)
+        return _Recipe(func, args, kwargs, index)
 
     def _unpack(self, box: _Box) -> torch.Tensor:
         if self._marking:
             box.kept = True
-        if box.tensor is None:
-            raise PipelineError(
-                "internal: a tensor released after I was needed by W; please report this "
-                "with the model (activation_checkpointing='full' with a zero-bubble schedule)"
-            )
-        return box.tensor
+            if box.tensor is None and box.recipe is not None:
+                return torch.empty(0)  # marking only: W will make it again
+        return box.value()
 
     @contextmanager
     def saving(self) -> Iterator[None]:
         """Within: tensors saved for backward go into this object's boxes."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self._recorder:
             yield
+        self._recorder.made.clear()
+        self._held.clear()
 
     @contextmanager
     def marking(self) -> Iterator[None]:
@@ -78,12 +224,22 @@ class Boxes:
             self._marking = False
 
     def release(self) -> int:
-        """Empty every box not marked; returns the bytes released."""
+        """Empty every box not marked; returns the bytes released. A marked box that makes
+        its tensor again from boxes not marked holds its tensor instead (its arguments
+        would cost more than it)."""
+        for box in self._boxes:
+            if box.kept and box.recipe is not None:
+                if all(b.kept for b in box.recipe.boxes()):
+                    continue
+                box.tensor, box.recipe = box.recipe.run(), None
+                for observe in OBSERVERS:
+                    observe(box.tensor)
         freed = 0
         for box in self._boxes:
-            if not box.kept and box.tensor is not None:
-                freed += box.tensor.numel() * box.tensor.element_size()
-                box.tensor = None
+            if not box.kept:
+                if box.tensor is not None:
+                    freed += _nbytes(box.tensor)
+                box.tensor = box.recipe = None
         self._boxes = [b for b in self._boxes if b.kept]
         return freed
 
