@@ -22,6 +22,7 @@ microbatch holds between its I and its W only what W needs.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -164,7 +165,10 @@ class Boxes:
         self._boxes: list[_Box] = []
         self._marking = False
         self._recorder = _Recorder()
-        self._held: dict[_Key, _Box] = {}  # boxes holding a tensor, by where it lives
+        # the boxes made so far by where their tensor lives; a box that makes its tensor
+        # again is found only while the tensor saved lives (weakly referenced), so that its
+        # memory cannot have been reused
+        self._held: dict[_Key, tuple[_Box, weakref.ref[torch.Tensor] | None]] = {}
 
     def _pack(self, t: torch.Tensor) -> _Box:
         key = _key(t) if type(t) is torch.Tensor else None
@@ -173,15 +177,17 @@ class Boxes:
         # through C++ that nothing collects (autograd restores the history on unpack)
         box = _Box(None if recipe is not None else t.detach(), recipe)
         self._boxes.append(box)
+        if key is not None:
+            old = self._held.get(key)
+            if old is None or (old[1] is not None and old[1]() is None):
+                self._held[key] = (box, None if recipe is None else weakref.ref(t))
         if box.tensor is not None:
-            if key is not None:
-                self._held.setdefault(key, box)  # held: its memory is not reused meanwhile
             for observe in OBSERVERS:
                 observe(box.tensor)
         return box
 
     def _recipe(self, key: _Key, t: torch.Tensor) -> _Recipe | None:
-        """How to make ``t`` again from boxes holding its arguments, if a cheap operation
+        """How to make ``t`` again from the boxes of its arguments, if a cheap operation
         made it from tensors no larger than itself, all saved (or parameters)."""
         made = self._recorder.made.get(key)
         if made is None or made[4] != t._version:
@@ -192,8 +198,11 @@ class Boxes:
             if not isinstance(a, _Ref):
                 args.append(a)
                 continue
-            box = self._held.get(a.key)
-            held = box.tensor if box is not None else None
+            entry = self._held.get(a.key)
+            if entry is None:
+                return None
+            box, alive = entry
+            held = box.tensor if alive is None else alive()
             if held is None or held._version != a.version or _nbytes(held) > _nbytes(t):
                 return None
             args.append(box)
@@ -226,7 +235,8 @@ class Boxes:
     def release(self) -> int:
         """Empty every box not marked; returns the bytes released. A marked box that makes
         its tensor again from boxes not marked holds its tensor instead (its arguments
-        would cost more than it)."""
+        would cost more than it). Boxes are in the order they were made, so a box's
+        arguments are settled before it."""
         for box in self._boxes:
             if box.kept and box.recipe is not None:
                 if all(b.kept for b in box.recipe.boxes()):

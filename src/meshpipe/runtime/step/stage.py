@@ -290,8 +290,11 @@ class StageRunner:
             return
         saved = self._saved.pop(mb)
         if saved.later is not None and saved.replay is not None:  # I left it all to W
+            boxes = Boxes()  # cheap tensors made again, not held (runtime/step/slim.py)
             with self._loss_scope():
-                backward_full(saved.replay.run(), saved.later, [])
+                with boxes.saving():
+                    roots = saved.replay.run()
+                backward_full(roots, saved.later, [])
             return
         if saved.pending is not None:
             with self._loss_scope():
