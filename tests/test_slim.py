@@ -129,8 +129,9 @@ def test_an_rmsnorm_output_is_made_again_from_the_tensor_its_weight_needs() -> N
 
 
 def test_an_activation_whose_input_w_does_not_keep_is_held() -> None:
-    """GELU saves its input, which W does not need: the output is made again during I
-    only, then held (holding the input instead would cost as much)."""
+    """GELU saves its input, which W does not need (no weight's gradient reads it): its
+    output, the next Linear's input, is held (holding the input instead would cost as
+    much), and nothing is made again."""
 
     def gelu_mlp() -> nn.Module:
         return nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))

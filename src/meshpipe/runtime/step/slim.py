@@ -108,29 +108,48 @@ class _Box:
         )
 
 
+_VIEW, _CHEAP, _OTHER = 0, 1, 2
+_KINDS: dict[Any, int] = {}  # operation -> its kind, as the recorder treats it
+
+
+def _kind(func: Any) -> int:
+    if func.overloadpacket in CHEAP:
+        return _CHEAP
+    return _VIEW if func.is_view else _OTHER  # a view allocates nothing: erases no note
+
+
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Notes, for each plain tensor a ``CHEAP`` operation returns, how it was made (its
-    arguments by where they lived). Every other operation's outputs erase the notes of
-    where they live: a tensor made in the forward is made by an operation, so a note
-    never describes memory reused by another tensor."""
+    """Notes, for each plain tensor a ``CHEAP`` operation of a parameter returns (a
+    LayerNorm's, a product with a weight: the operations W runs again for the weight's
+    gradient, so their other arguments are kept), how it was made (its arguments by where
+    they lived). Every other operation's outputs erase the notes of
+    where they live (views aside, which allocate nothing): a tensor made in the forward is
+    made by an operation, so a note never describes memory reused by another tensor."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.made: dict[_Key, tuple[Any, list[Any], dict[str, Any], int, int]] = {}
+        # by data pointer: (key, func, args, kwargs, output index, version)
+        self.made: dict[int, tuple[_Key, Any, list[Any], dict[str, Any], int, int]] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:  # fmt: skip
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        cheap = func.overloadpacket in CHEAP and not _has_tensor(kwargs.values())
-        noted = _noted(args) if cheap else None
-        for i, o in enumerate(out if isinstance(out, tuple | list) else (out,)):
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        if kind == _VIEW:
+            return out
+        noted = None
+        if kind == _CHEAP and any(type(a) is nn.Parameter for a in args):
+            noted = None if kwargs and _has_tensor(kwargs.values()) else _noted(args)
+        outs = (out,) if isinstance(out, torch.Tensor) else out
+        for i, o in enumerate(outs if isinstance(outs, tuple | list) else ()):
             if type(o) is torch.Tensor:
                 if noted is None:
-                    self.made.pop(_key(o), None)
+                    self.made.pop(o.data_ptr(), None)
                 else:
-                    self.made[_key(o)] = (func, noted, kwargs, i, o._version)
+                    self.made[o.data_ptr()] = (_key(o), func, noted, kwargs or {}, i, o._version)
         return out
 
 
@@ -148,6 +167,33 @@ def _noted(args: Iterable[Any]) -> list[Any] | None:
         else:
             out.append(a)
     return out
+
+
+def _detached(t: torch.Tensor, plain: bool) -> torch.Tensor:
+    if not plain:
+        return t.detach()
+    with torch._C._DisableTorchDispatch():  # a plain tensor's alias: no need to note it
+        return t.detach()
+
+
+def _feeds_a_weight(node: Node | None) -> bool:
+    """Whether ``node`` computes a parameter's gradient, directly or through a view of it
+    (a Linear's weight is transposed): W runs it."""
+    if node is None:
+        return False
+    for child, _ in node.next_functions:
+        if child is None:
+            continue
+        if _is_param(child):
+            return True
+        below = [c for c, _ in child.next_functions if c is not None]
+        if below and all(_is_param(c) for c in below):
+            return True
+    return False
+
+
+def _is_param(node: Node) -> bool:
+    return isinstance(getattr(node, "variable", None), nn.Parameter)
 
 
 def _has_tensor(values: Iterable[Any]) -> bool:
@@ -175,7 +221,7 @@ class Boxes:
         recipe = self._recipe(key, t) if key is not None else None
         # detached: a saved output holding its own grad_fn would tie the graph in a cycle
         # through C++ that nothing collects (autograd restores the history on unpack)
-        box = _Box(None if recipe is not None else t.detach(), recipe)
+        box = _Box(None if recipe is not None else _detached(t, key is not None), recipe)
         self._boxes.append(box)
         if key is not None:
             old = self._held.get(key)
@@ -188,11 +234,15 @@ class Boxes:
 
     def _recipe(self, key: _Key, t: torch.Tensor) -> _Recipe | None:
         """How to make ``t`` again from the boxes of its arguments, if a cheap operation
-        made it from tensors no larger than itself, all saved (or parameters)."""
-        made = self._recorder.made.get(key)
-        if made is None or made[4] != t._version:
+        made it from tensors no larger than itself, all saved (or parameters), in a node
+        that computes a weight's gradient: that node saves the arguments its weight's
+        gradient needs, so W keeps them (a LayerNorm's input, for its output)."""
+        made = self._recorder.made.get(key[0])
+        if made is None or made[0] != key or made[5] != t._version:
             return None
-        func, noted, kwargs, index, _ = made
+        if not _feeds_a_weight(t.grad_fn):
+            return None  # W would not keep its arguments: making it again would not pay
+        _, func, noted, kwargs, index, _ = made
         args: list[Any] = []
         for a in noted:
             if not isinstance(a, _Ref):
