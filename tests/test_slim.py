@@ -107,17 +107,27 @@ def test_random_and_changed_tensors_are_held_not_made_again() -> None:
     assert made == 0 and kept == kept_all, (made, kept, kept_all)
 
 
-class _RMSNormLinear(nn.Module):
-    """An RMSNorm written out (as Llama's): its weight's product feeds a Linear."""
+class _RMSNorm(nn.Module):
+    """An RMSNorm written out, as Llama's (a module of its own, like a LayerNorm)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.rand(D) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class _RMSNormLinear(nn.Module):
+    """An RMSNorm's output feeding a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = _RMSNorm()
         self.lin = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.lin(self.weight * h)
+        return self.lin(self.norm(x))
 
 
 def test_an_rmsnorm_output_is_made_again_from_the_tensor_its_weight_needs() -> None:
@@ -139,3 +149,24 @@ def test_an_activation_whose_input_w_does_not_keep_is_held() -> None:
     same, kept, kept_all, made = _compare(gelu_mlp)
     assert same
     assert made == 0 and kept == kept_all, (made, kept, kept_all)
+
+
+class _WithCond(nn.Module):
+    """A pre-norm block whose activation is chosen by torch.cond (a higher-order operator:
+    the recorder lets it run as it is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(x)
+        h = torch.cond(h.sum() > 0, torch.tanh, torch.sigmoid, (h,))
+        return self.lin(h)
+
+
+def test_a_higher_order_operator_runs_under_the_recorder() -> None:
+    same, kept, kept_all, made = _compare(_WithCond)
+    assert same
+    assert made == 1 and kept_all - kept == 4 * ROWS * D, (made, kept, kept_all)

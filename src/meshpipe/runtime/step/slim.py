@@ -7,14 +7,13 @@ statistics...) is dead weight from I to W. Under :class:`Boxes` every tensor the
 saves goes into a box; after I, :func:`keep_for_weights` reads the saved tensors of the
 nodes W will run (which marks their boxes) and empties every other box.
 
-A saved tensor that a cheap, deterministic operation (a normalisation, an elementwise
-function: ``CHEAP``) computed from other saved tensors (and parameters), at least as large
-as each of them, is not held at all: its box keeps the operation and its arguments' boxes,
-and each unpack runs that operation again, on the same values, so it gives the same bits
-(e.g. a pre-norm block's LayerNorm output, saved as the next Linear's input, computed
-again from the LayerNorm's saved input). A :class:`_Recorder` (a torch dispatch mode)
-notes during the forward which operation made which tensor. Matmuls are never computed
-again.
+Of what W keeps, a tensor that a cheap, deterministic operation of a parameter made (a
+LayerNorm's output; ``recipes.CHEAP``) from other saved tensors no larger than it, in a
+node that computes a weight's gradient (which saves what that gradient needs, so W keeps
+it), is not held: its box holds the operation and its arguments' boxes (a
+:class:`_Recipe`), and each unpack runs the operation again on the same values, so it
+gives the same bits. runtime/step/recipes.py notes during the forward which operation made
+which tensor. Matmuls are never run again.
 
 Used where the forward runs again at I anyway ("full" checkpointing by replay), so a
 microbatch holds between its I and its W only what W needs.
@@ -28,45 +27,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
 from torch.autograd.graph import Node
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpipe.errors import PipelineError
+from meshpipe.runtime.step.recipes import Key, Recorder, Ref, feeds_a_weight, key_of, recording
 
-__all__ = ["Boxes", "keep_for_weights", "OBSERVERS", "CHEAP"]
+__all__ = ["Boxes", "keep_for_weights", "OBSERVERS"]
 
 # memory ledgers counting what boxes hold (runtime/pipeline/memory.py; empty unless tracking)
 OBSERVERS: list[Callable[[torch.Tensor], None]] = []
-
-# operations a box may run again instead of holding their output: cheap next to a matmul,
-# and deterministic (the same inputs give the same bits; nothing random)
-CHEAP = frozenset(
-    getattr(torch.ops.aten, name)
-    for name in (
-        "native_layer_norm", "_fused_rms_norm", "gelu", "silu", "relu", "tanh", "sigmoid",
-        "mul", "add", "sub", "div", "neg", "rsqrt", "sqrt", "pow", "exp", "_to_copy",
-    )
-    if hasattr(torch.ops.aten, name)
-)  # fmt: skip
-
-
-_Key = tuple[Any, ...]
-
-
-def _key(t: torch.Tensor) -> _Key:
-    """Where a tensor's values live: two live tensors with equal keys hold equal values."""
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-
-
-class _Ref:
-    """A tensor argument of a recorded operation: where it lived and its version then."""
-
-    __slots__ = ("key", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.key = _key(t)
-        self.version = t._version
 
 
 class _Recipe:
@@ -108,96 +77,11 @@ class _Box:
         )
 
 
-_VIEW, _CHEAP, _OTHER = 0, 1, 2
-_KINDS: dict[Any, int] = {}  # operation -> its kind, as the recorder treats it
-
-
-def _kind(func: Any) -> int:
-    if func.overloadpacket in CHEAP:
-        return _CHEAP
-    return _VIEW if func.is_view else _OTHER  # a view allocates nothing: erases no note
-
-
-class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Notes, for each plain tensor a ``CHEAP`` operation of a parameter returns (a
-    LayerNorm's, a product with a weight: the operations W runs again for the weight's
-    gradient, so their other arguments are kept), how it was made (its arguments by where
-    they lived). Every other operation's outputs erase the notes of
-    where they live (views aside, which allocate nothing): a tensor made in the forward is
-    made by an operation, so a note never describes memory reused by another tensor."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        # by data pointer: (key, func, args, kwargs, output index, version)
-        self.made: dict[int, tuple[_Key, Any, list[Any], dict[str, Any], int, int]] = {}
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:  # fmt: skip
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = _KINDS[func] = _kind(func)
-        if kind == _VIEW:
-            return out
-        noted = None
-        if kind == _CHEAP and any(type(a) is nn.Parameter for a in args):
-            noted = None if kwargs and _has_tensor(kwargs.values()) else _noted(args)
-        outs = (out,) if isinstance(out, torch.Tensor) else out
-        for i, o in enumerate(outs if isinstance(outs, tuple | list) else ()):
-            if type(o) is torch.Tensor:
-                if noted is None:
-                    self.made.pop(o.data_ptr(), None)
-                else:
-                    self.made[o.data_ptr()] = (_key(o), func, noted, kwargs or {}, i, o._version)
-        return out
-
-
-def _noted(args: Iterable[Any]) -> list[Any] | None:
-    """The arguments of a call with each plain tensor as a :class:`_Ref` (parameters as
-    themselves); None where one cannot be (a tensor subclass, tensors in a list)."""
-    out: list[Any] = []
-    for a in args:
-        if type(a) is nn.Parameter:
-            out.append(a)
-        elif type(a) is torch.Tensor:
-            out.append(_Ref(a))
-        elif isinstance(a, torch.Tensor) or (isinstance(a, list | tuple) and _has_tensor(a)):
-            return None
-        else:
-            out.append(a)
-    return out
-
-
 def _detached(t: torch.Tensor, plain: bool) -> torch.Tensor:
     if not plain:
         return t.detach()
-    with torch._C._DisableTorchDispatch():  # a plain tensor's alias: no need to note it
+    with torch._C._DisableTorchDispatch():  # an alias: not for the recorder to see
         return t.detach()
-
-
-def _feeds_a_weight(node: Node | None) -> bool:
-    """Whether ``node`` computes a parameter's gradient, directly or through a view of it
-    (a Linear's weight is transposed): W runs it."""
-    if node is None:
-        return False
-    for child, _ in node.next_functions:
-        if child is None:
-            continue
-        if _is_param(child):
-            return True
-        below = [c for c, _ in child.next_functions if c is not None]
-        if below and all(_is_param(c) for c in below):
-            return True
-    return False
-
-
-def _is_param(node: Node) -> bool:
-    return isinstance(getattr(node, "variable", None), nn.Parameter)
-
-
-def _has_tensor(values: Iterable[Any]) -> bool:
-    return any(isinstance(v, torch.Tensor) for v in values)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -210,14 +94,14 @@ class Boxes:
     def __init__(self) -> None:
         self._boxes: list[_Box] = []
         self._marking = False
-        self._recorder = _Recorder()
+        self._recorder = Recorder()
         # the boxes made so far by where their tensor lives; a box that makes its tensor
         # again is found only while the tensor saved lives (weakly referenced), so that its
         # memory cannot have been reused
-        self._held: dict[_Key, tuple[_Box, weakref.ref[torch.Tensor] | None]] = {}
+        self._held: dict[Key, tuple[_Box, weakref.ref[torch.Tensor] | None]] = {}
 
     def _pack(self, t: torch.Tensor) -> _Box:
-        key = _key(t) if type(t) is torch.Tensor else None
+        key = key_of(t) if type(t) is torch.Tensor else None
         recipe = self._recipe(key, t) if key is not None else None
         # detached: a saved output holding its own grad_fn would tie the graph in a cycle
         # through C++ that nothing collects (autograd restores the history on unpack)
@@ -232,28 +116,26 @@ class Boxes:
                 observe(box.tensor)
         return box
 
-    def _recipe(self, key: _Key, t: torch.Tensor) -> _Recipe | None:
+    def _recipe(self, key: Key, t: torch.Tensor) -> _Recipe | None:
         """How to make ``t`` again from the boxes of its arguments, if a cheap operation
         made it from tensors no larger than itself, all saved (or parameters), in a node
         that computes a weight's gradient: that node saves the arguments its weight's
         gradient needs, so W keeps them (a LayerNorm's input, for its output)."""
         made = self._recorder.made.get(key[0])
-        if made is None or made[0] != key or made[5] != t._version:
-            return None
-        if not _feeds_a_weight(t.grad_fn):
-            return None  # W would not keep its arguments: making it again would not pay
-        _, func, noted, kwargs, index, _ = made
+        if made is None or not made[0].matches(t) or not feeds_a_weight(t.grad_fn):
+            return None  # not noted, or W would not keep its arguments
+        _, func, noted, kwargs, index = made
         args: list[Any] = []
         for a in noted:
-            if not isinstance(a, _Ref):
+            if not isinstance(a, Ref):
                 args.append(a)
                 continue
             entry = self._held.get(a.key)
             if entry is None:
                 return None
-            box, alive = entry
+            box, alive = entry  # a box making its tensor again: while the tensor saved lives
             held = box.tensor if alive is None else alive()
-            if held is None or held._version != a.version or _nbytes(held) > _nbytes(t):
+            if held is None or not a.matches(held) or _nbytes(held) > _nbytes(t):
                 return None
             args.append(box)
         return _Recipe(func, args, kwargs, index)
@@ -268,7 +150,8 @@ class Boxes:
     @contextmanager
     def saving(self) -> Iterator[None]:
         """Within: tensors saved for backward go into this object's boxes."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self._recorder:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        with hooks, recording(self._recorder):
             yield
         self._recorder.made.clear()
         self._held.clear()
