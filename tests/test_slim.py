@@ -26,7 +26,7 @@ def _split_backward(
     boxes = slim.Boxes()
     if not recipes:
         boxes._recorder.made = _Forgetful()
-    with boxes.saving():
+    with boxes.saving(net):
         out = net(x)
     grad = torch.ones_like(out)
     edge = torch.autograd.graph.get_gradient_edge(out)

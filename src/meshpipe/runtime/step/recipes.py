@@ -53,12 +53,13 @@ class Ref:
     """A tensor argument of a recorded operation: where it lived, its storage (weakly:
     torch keeps one Python object per live storage) and its version then."""
 
-    __slots__ = ("key", "storage", "version")
+    __slots__ = ("key", "storage", "version", "nbytes")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.key = key_of(t)
         self.storage = weakref.ref(t.untyped_storage())
         self.version = t._version
+        self.nbytes = t.numel() * t.element_size()
 
     def matches(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is this argument as it was: the same view of the same live
@@ -81,6 +82,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.active = False  # entered (inside a module it runs in)
         # by data pointer: (the output, func, args, kwargs, output index)
         self.made: dict[int, tuple[Ref, Any, list[Any], dict[str, Any], int]] = {}
 
@@ -95,9 +97,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         noted = None if kwargs and _has_tensor(kwargs.values()) else _noted(args)
         if noted is not None:
+            # outputs smaller than an argument are never made again (a LayerNorm's
+            # statistics): not noted
+            least = max((r.nbytes for r in noted if isinstance(r, Ref)), default=0)
             outs = (out,) if isinstance(out, torch.Tensor) else out
             for i, o in enumerate(outs if isinstance(outs, tuple | list) else ()):
-                if type(o) is torch.Tensor:
+                if type(o) is torch.Tensor and o.numel() * o.element_size() >= least:
                     self.made[o.data_ptr()] = (Ref(o), func, noted, kwargs or {}, i)
         return out
 
@@ -106,7 +111,7 @@ _CHEAP_OPS: dict[Any, bool] = {}  # operation -> in CHEAP
 
 
 def _noted(args: Iterable[Any]) -> list[Any] | None:
-    """The arguments of a call with each plain tensor as a :class:`_Ref` (parameters as
+    """The arguments of a call with each plain tensor as a :class:`Ref` (parameters as
     themselves); None where one cannot be (a tensor subclass, tensors in a list)."""
     out: list[Any] = []
     for a in args:
@@ -130,32 +135,36 @@ def _recorded(module: nn.Module) -> bool:
     return bool(module._parameters) and not module._modules and not isinstance(module, _MATMULS)
 
 
-@contextmanager
-def recording(recorder: Recorder) -> Iterator[None]:
-    """Within: ``recorder`` notes the operations of the modules :func:`_recorded` chooses
-    (global module hooks, removed on exit)."""
-    inside: list[nn.Module] = []
+# each stage module's submodules the recorder runs in (a stage's modules do not change)
+_CHOSEN: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
 
-    def enter(module: nn.Module, _args: Any) -> None:
-        if not inside and _recorded(module):
-            inside.append(module)
+
+@contextmanager
+def recording(recorder: Recorder, root: nn.Module) -> Iterator[None]:
+    """Within: ``recorder`` notes the operations run by the submodules of ``root`` that
+    :func:`_recorded` chooses (their hooks, removed on exit)."""
+    chosen = _CHOSEN.get(root)
+    if chosen is None:
+        chosen = _CHOSEN[root] = [m for m in root.modules() if _recorded(m)]
+
+    def enter(_module: nn.Module, _args: Any) -> None:
+        if not recorder.active:
+            recorder.active = True
             recorder.__enter__()  # type: ignore[no-untyped-call]
 
-    def leave(module: nn.Module, _args: Any, _out: Any) -> None:
-        if inside and inside[-1] is module:
-            inside.pop()
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        if recorder.active:
+            recorder.active = False
             recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
-    pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
-    post = torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    handles = [m.register_forward_pre_hook(enter) for m in chosen]
+    handles += [m.register_forward_hook(leave, always_call=True) for m in chosen]
     try:
         yield
     finally:
-        pre.remove()
-        post.remove()
-        while inside:
-            inside.pop()
-            recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        for handle in handles:
+            handle.remove()
+        leave(root, (), None)
 
 
 def feeds_a_weight(node: Node | None) -> bool:

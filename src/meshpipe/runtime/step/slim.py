@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd.graph import Node
 
 from meshpipe.errors import PipelineError
@@ -77,13 +78,6 @@ class _Box:
         )
 
 
-def _detached(t: torch.Tensor, plain: bool) -> torch.Tensor:
-    if not plain:
-        return t.detach()
-    with torch._C._DisableTorchDispatch():  # an alias: not for the recorder to see
-        return t.detach()
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -105,7 +99,7 @@ class Boxes:
         recipe = self._recipe(key, t) if key is not None else None
         # detached: a saved output holding its own grad_fn would tie the graph in a cycle
         # through C++ that nothing collects (autograd restores the history on unpack)
-        box = _Box(None if recipe is not None else _detached(t, key is not None), recipe)
+        box = _Box(None if recipe is not None else self._detached(t, key is not None), recipe)
         self._boxes.append(box)
         if key is not None:
             old = self._held.get(key)
@@ -115,6 +109,12 @@ class Boxes:
             for observe in OBSERVERS:
                 observe(box.tensor)
         return box
+
+    def _detached(self, t: torch.Tensor, plain: bool) -> torch.Tensor:
+        if not (plain and self._recorder.active):
+            return t.detach()
+        with torch._C._DisableTorchDispatch():  # an alias: not for the recorder to see
+            return t.detach()
 
     def _recipe(self, key: Key, t: torch.Tensor) -> _Recipe | None:
         """How to make ``t`` again from the boxes of its arguments, if a cheap operation
@@ -148,10 +148,11 @@ class Boxes:
         return box.value()
 
     @contextmanager
-    def saving(self) -> Iterator[None]:
-        """Within: tensors saved for backward go into this object's boxes."""
+    def saving(self, module: nn.Module) -> Iterator[None]:
+        """Within: tensors saved for backward go into this object's boxes; the operations
+        ``module``'s norms run are noted (runtime/step/recipes.py)."""
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        with hooks, recording(self._recorder):
+        with hooks, recording(self._recorder, module):
             yield
         self._recorder.made.clear()
         self._held.clear()

@@ -251,7 +251,7 @@ class StageRunner:
             return [None] * num_inputs
         boxes = Boxes() if split and saved.replay is not None else None
         if saved.replay is not None:  # the forward again: I (or B) and W use this graph
-            with boxes.saving() if boxes is not None else contextlib.nullcontext():
+            with boxes.saving(self.module) if boxes is not None else contextlib.nullcontext():
                 saved.roots, saved.replay = saved.replay.run(), None
         if split:
             in_grads, saved.pending = backward_input(
@@ -292,7 +292,7 @@ class StageRunner:
         if saved.later is not None and saved.replay is not None:  # I left it all to W
             boxes = Boxes()  # cheap tensors made again, not held (runtime/step/slim.py)
             with self._loss_scope():
-                with boxes.saving():
+                with boxes.saving(self.module):
                     roots = saved.replay.run()
                 backward_full(roots, saved.later, [])
             return
