@@ -7,13 +7,12 @@ statistics...) is dead weight from I to W. Under :class:`Boxes` every tensor the
 saves goes into a box; after I, :func:`keep_for_weights` reads the saved tensors of the
 nodes W will run (which marks their boxes) and empties every other box.
 
-Of what W keeps, a tensor that a cheap, deterministic operation of a parameter made (a
-LayerNorm's output; ``recipes.CHEAP``) from other saved tensors no larger than it, in a
-node that computes a weight's gradient (which saves what that gradient needs, so W keeps
-it), is not held: its box holds the operation and its arguments' boxes (a
-:class:`_Recipe`), and each unpack runs the operation again on the same values, so it
-gives the same bits. runtime/step/recipes.py notes during the forward which operation made
-which tensor. Matmuls are never run again.
+Of what W keeps, the output of a normalisation module (a LayerNorm, an RMSNorm) made from
+saved tensors no larger than it, in a node that computes a weight's gradient (a
+LayerNorm saves its input for its weight's gradient, so W keeps that input), is not held:
+its box holds the call and its arguments' boxes (a :class:`_Recipe`), and each unpack
+runs the module's forward again on the same values, which gives the same bits.
+runtime/step/recipes.py notes the calls during the forward. Matmuls are never run again.
 
 Used where the forward runs again at I anyway ("full" checkpointing by replay), so a
 microbatch holds between its I and its W only what W needs.
@@ -40,13 +39,13 @@ OBSERVERS: list[Callable[[torch.Tensor], None]] = []
 
 
 class _Recipe:
-    """An operation to run again: ``func(*args, **kwargs)[index]``, tensor arguments given
-    as the boxes holding them (``args`` holds a box where the call had a tensor)."""
+    """A call to run again: ``func(*args)``, tensor arguments given as the boxes holding
+    them (``args`` holds a box where the call had a tensor)."""
 
-    __slots__ = ("func", "args", "kwargs", "index")
+    __slots__ = ("func", "args")
 
-    def __init__(self, func: Any, args: list[Any], kwargs: dict[str, Any], index: int) -> None:
-        self.func, self.args, self.kwargs, self.index = func, args, kwargs, index
+    def __init__(self, func: Callable[..., Any], args: list[Any]) -> None:
+        self.func, self.args = func, args
 
     def boxes(self) -> list[_Box]:
         return [a for a in self.args if isinstance(a, _Box)]
@@ -54,9 +53,8 @@ class _Recipe:
     def run(self) -> torch.Tensor:
         args = [a.value() if isinstance(a, _Box) else a for a in self.args]
         with torch.no_grad():
-            out = self.func(*args, **self.kwargs)
-        result: torch.Tensor = out[self.index] if isinstance(out, tuple | list) else out
-        return result
+            out: torch.Tensor = self.func(*args)
+        return out
 
 
 class _Box:
@@ -99,7 +97,7 @@ class Boxes:
         recipe = self._recipe(key, t) if key is not None else None
         # detached: a saved output holding its own grad_fn would tie the graph in a cycle
         # through C++ that nothing collects (autograd restores the history on unpack)
-        box = _Box(None if recipe is not None else self._detached(t, key is not None), recipe)
+        box = _Box(None if recipe is not None else t.detach(), recipe)
         self._boxes.append(box)
         if key is not None:
             old = self._held.get(key)
@@ -110,21 +108,15 @@ class Boxes:
                 observe(box.tensor)
         return box
 
-    def _detached(self, t: torch.Tensor, plain: bool) -> torch.Tensor:
-        if not (plain and self._recorder.active):
-            return t.detach()
-        with torch._C._DisableTorchDispatch():  # an alias: not for the recorder to see
-            return t.detach()
-
     def _recipe(self, key: Key, t: torch.Tensor) -> _Recipe | None:
-        """How to make ``t`` again from the boxes of its arguments, if a cheap operation
-        made it from tensors no larger than itself, all saved (or parameters), in a node
-        that computes a weight's gradient: that node saves the arguments its weight's
-        gradient needs, so W keeps them (a LayerNorm's input, for its output)."""
+        """How to make ``t`` again from the boxes of its arguments: if a normalisation
+        (runtime/step/recipes.py) made it from tensors no larger than itself, all saved
+        (a LayerNorm saves its input for its weight's gradient, so W keeps it), and the
+        node that saved it computes a weight's gradient (W runs it)."""
         made = self._recorder.made.get(key[0])
         if made is None or not made[0].matches(t) or not feeds_a_weight(t.grad_fn):
-            return None  # not noted, or W would not keep its arguments
-        _, func, noted, kwargs, index = made
+            return None
+        _, func, noted = made
         args: list[Any] = []
         for a in noted:
             if not isinstance(a, Ref):
@@ -135,10 +127,10 @@ class Boxes:
                 return None
             box, alive = entry  # a box making its tensor again: while the tensor saved lives
             held = box.tensor if alive is None else alive()
-            if held is None or not a.matches(held) or _nbytes(held) > _nbytes(t):
+            if held is None or not a.matches(held) or a.nbytes > _nbytes(t):
                 return None
             args.append(box)
-        return _Recipe(func, args, kwargs, index)
+        return _Recipe(func, args)
 
     def _unpack(self, box: _Box) -> torch.Tensor:
         if self._marking:
