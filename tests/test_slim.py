@@ -132,8 +132,8 @@ class _RMSNormLinear(nn.Module):
 
 def test_an_rmsnorm_whose_input_w_does_not_keep_is_held() -> None:
     """An RMSNorm written out (as Llama's, and torch's nn.RMSNorm on CPU): its weight's
-    node saves the normalised input, not the module's input, so W does not keep that
-    input and the output is held (made again only at the release, not during W)."""
+    node saves the normalised input, not the module's input, so W would not keep that
+    input: the output is held, never made again."""
     same, kept, kept_all, made = _compare(_RMSNormLinear)
     assert same
     assert made == 0 and kept == kept_all, (made, kept, kept_all)

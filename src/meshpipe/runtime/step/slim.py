@@ -110,14 +110,15 @@ class Boxes:
 
     def _recipe(self, key: Key, t: torch.Tensor) -> _Recipe | None:
         """How to make ``t`` again from the boxes of its arguments: if a normalisation
-        (runtime/step/recipes.py) made it from tensors no larger than itself, all saved
-        (a LayerNorm saves its input for its weight's gradient, so W keeps it), and the
-        node that saved it computes a weight's gradient (W runs it)."""
+        (runtime/step/recipes.py) made it from tensors no larger than itself, which the
+        node that made it saved itself and which it needs for a weight's gradient (a
+        LayerNorm's input): W runs that node, so it keeps them."""
         made = self._recorder.made.get(key[0])
-        if made is None or not made[0].matches(t) or not feeds_a_weight(t.grad_fn):
+        if made is None or not made[0].matches(t):
             return None
         _, func, noted = made
         args: list[Any] = []
+        held_args: list[torch.Tensor] = []
         for a in noted:
             if not isinstance(a, Ref):
                 args.append(a)
@@ -130,6 +131,9 @@ class Boxes:
             if held is None or not a.matches(held) or a.nbytes > _nbytes(t):
                 return None
             args.append(box)
+            held_args.append(held)
+        if not _saves_all(t.grad_fn, held_args):
+            return None  # W would not keep its arguments: making it again would not pay
         return _Recipe(func, args)
 
     def _unpack(self, box: _Box) -> torch.Tensor:
@@ -195,16 +199,33 @@ def _subgraph(roots: Iterable[Node]) -> list[Node]:
 _SAVED: dict[type, tuple[str, ...]] = {}  # node class -> its saved-value attributes
 
 
-def _read_saved(node: Node) -> None:
+def _read_saved(node: Node) -> list[Any]:
+    """The values ``node`` saved (reading them marks their boxes while marking)."""
     kind = type(node)
     names = _SAVED.get(kind)
     if names is None:
         names = _SAVED[kind] = tuple(n for n in dir(node) if n.startswith("_saved_"))
+    values = []
     for name in names:
         try:
-            getattr(node, name)
+            values.append(getattr(node, name))
         except RuntimeError:  # already released by the engine: nothing to keep
             continue
+    return values
+
+
+def _saves_all(node: Node | None, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``node`` computes a weight's gradient and saved each of ``tensors`` itself,
+    so that W, which runs it, keeps them (a LayerNorm's input, for its output)."""
+    if not feeds_a_weight(node) or node is None:
+        return False
+    saved = [v for v in _read_saved(node) if type(v) is torch.Tensor]
+    return all(any(_same(v, t) for v in saved) for t in tensors)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same view of the same storage."""
+    return key_of(a) == key_of(b) and a.untyped_storage() is b.untyped_storage()
 
 
 def keep_for_weights(boxes: Boxes, pending: Any) -> int:
