@@ -1,6 +1,8 @@
 """What the training-loop features cost: step time on 2 CPU ranks with activation
 checkpointing ("full") and with torch.compile (inductor) against eager, on 1f1b and zbv, in
-one run (8 pre-norm MLP blocks of width 256, 4 microbatches of 64 rows).
+one run (8 pre-norm MLP blocks of width 256, 4 microbatches of 64 rows). Rows "name": the
+median step time (the slowest rank); rows "name cpu": the median CPU time of a step summed
+over the ranks (each rank's thread time), steadier than the step time on a shared machine.
 
     .venv/bin/python benchmarks/bench_features.py          # about a minute (compile: ~30 s)
     .venv/bin/python benchmarks/bench_features.py --no-compile   # eager and checkpointing
@@ -33,7 +35,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _ranks(reps: int, variants: list[str], fsdp: bool) -> dict[str, dict[str, float]]:
+def _ranks(reps: int, variants: list[str], fsdp: bool) -> dict[str, dict[str, Any]]:
     torch.set_num_threads(1)
     mesh = meshpipe.init_mesh(pp=2, dp=2 if fsdp else 1)
     torch.manual_seed(1)
@@ -42,7 +44,7 @@ def _ranks(reps: int, variants: list[str], fsdp: bool) -> dict[str, dict[str, fl
         half = mesh.get_local_rank("dp") * 128
         x, y = x[half : half + 128], y[half : half + 128]
     spmd: dict[str, Any] = {"dp": "fsdp"} if fsdp else {}
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name in ("1f1b", "zbv"):
         pipes = {}
         for label in variants:
@@ -54,17 +56,21 @@ def _ranks(reps: int, variants: list[str], fsdp: bool) -> dict[str, dict[str, fl
                 **options, **spmd,
             )  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in pipes}
+        cpu: dict[str, list[float]] = {k: [] for k in pipes}
         for r in range(reps + 2):  # two warm-up rounds (the first compiles)
             for label, pipe in pipes.items():
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 pipe.step(x, target=y)
-                took = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                took = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0])
+                dist.all_reduce(took[:1], op=dist.ReduceOp.MAX)  # the step: the slowest rank
+                dist.all_reduce(took[1:], op=dist.ReduceOp.SUM)  # CPU: all ranks' work
                 pipe.zero_grad()
                 if r >= 2:
-                    times[label].append(float(took))
+                    times[label].append(float(took[0]))
+                    cpu[label].append(float(took[1]))
         out[name] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        out[f"{name} cpu"] = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
     return out
 
 
@@ -72,10 +78,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-compile", action="store_true", help="skip compile=True (~30 s)")
     ap.add_argument("--fsdp", action="store_true", help="pp=2 x dp=2 (4 ranks), dp='fsdp'")
+    ap.add_argument("--reps", type=int, default=8, help="measured steps per variant")
     args = ap.parse_args()
     variants = [k for k in VARIANTS if not (args.no_compile and k == "compile=True")]
     world = 4 if args.fsdp else 2
-    res = run_on_ranks(_ranks, world, 8, variants, args.fsdp, timeout=900)[0]
+    res = run_on_ranks(_ranks, world, args.reps, variants, args.fsdp, timeout=900)[0]
     print("| schedule | " + " | ".join(variants) + " |")
     print("|---|" + "---|" * len(variants))
     for name, row in res.items():

@@ -41,6 +41,9 @@ class _Saved:
     pending: WeightGrad | None = None
     replay: Replay | None = None  # "full" by replay: runs the forward again (loss included)
     seed: torch.Tensor | None = None  # last stage: d(loss)/d(loss)
+    # "full" by replay where no stage input needs a gradient (the first stage): I has
+    # nothing to compute, so it keeps the received gradients and W replays and runs it all
+    later: list[torch.Tensor | None] | None = None
     layouts: list[Any] = field(default_factory=list)  # DTensor outputs: (mesh, placements)
 
 
@@ -241,21 +244,15 @@ class StageRunner:
     def _backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         saved = self._saved[mb]
         split = split and not self.fused_backward
+        gs = self._output_grads(saved, mb, grads)
+        if split and saved.replay is not None and not any(x.requires_grad for x in saved.inputs):
+            num_inputs = len(saved.inputs)
+            saved.later, saved.inputs = gs, []  # no input gradient: replay at W, not now
+            return [None] * num_inputs
         boxes = Boxes() if split and saved.replay is not None else None
         if saved.replay is not None:  # the forward again: I (or B) and W use this graph
-            with boxes.saving() if boxes is not None else contextlib.nullcontext():
+            with boxes.saving(self.module) if boxes is not None else contextlib.nullcontext():
                 saved.roots, saved.replay = saved.replay.run(), None
-        if self.is_last:
-            gs: list[torch.Tensor | None] = [saved.seed]
-        else:
-            gs = list(grads) if grads is not None else [None] * len(saved.roots)
-            if len(gs) != len(saved.roots):
-                raise PipelineError(
-                    f"stage {self.index} mb {mb}: received {len(gs)} gradients for "
-                    f"{len(saved.roots)} outputs"
-                )
-        if saved.layouts:  # gradients of DTensor outputs in the outputs' own layouts
-            gs = [_as_layout(g, lay) for g, lay in zip(gs, saved.layouts, strict=True)]
         if split:
             in_grads, saved.pending = backward_input(
                 saved.roots, gs, saved.inputs, compiled=self.split_compiled
@@ -271,11 +268,34 @@ class StageRunner:
             saved.inputs = []
         return in_grads
 
+    def _output_grads(self, saved: _Saved, mb: int, grads: Any) -> list[torch.Tensor | None]:
+        """The gradients to run a microbatch's backward from (the loss's seed on the last
+        stage), in the layouts of its outputs."""
+        if self.is_last:
+            gs: list[torch.Tensor | None] = [saved.seed]
+        else:
+            gs = list(grads) if grads is not None else [None] * len(saved.roots)
+            if len(gs) != len(saved.roots):
+                raise PipelineError(
+                    f"stage {self.index} mb {mb}: received {len(gs)} gradients for "
+                    f"{len(saved.roots)} outputs"
+                )
+        if saved.layouts:  # gradients of DTensor outputs in the outputs' own layouts
+            gs = [_as_layout(g, lay) for g, lay in zip(gs, saved.layouts, strict=True)]
+        return gs
+
     def weight(self, mb: int) -> None:
         """W for ``mb``: the weight half of a split backward."""
         if self.fused_backward:  # I did the weights too
             return
         saved = self._saved.pop(mb)
+        if saved.later is not None and saved.replay is not None:  # I left it all to W
+            boxes = Boxes()  # cheap tensors made again, not held (runtime/step/slim.py)
+            with self._loss_scope():
+                with boxes.saving(self.module):
+                    roots = saved.replay.run()
+                backward_full(roots, saved.later, [])
+            return
         if saved.pending is not None:
             with self._loss_scope():
                 saved.pending.run()
