@@ -27,6 +27,9 @@ class Desc(NamedTuple):
 def describe(value: Any) -> tuple[list[torch.Tensor], Desc]:
     """A value's tensor leaves (detached) and its description."""
     leaves, spec = flatten(value)
+    if len(leaves) == 1:  # the usual value
+        t = leaves[0]
+        return [t.detach()], Desc(spec, ((t.dtype, tuple(t.shape), t.requires_grad),))
     tensors = [t.detach() for t in leaves]
     desc = Desc(spec, tuple((t.dtype, tuple(t.shape), bool(t.requires_grad)) for t in leaves))
     return tensors, desc
@@ -50,6 +53,18 @@ class DescCache:
         self.send: dict[DescKey, Desc] = {}
         self.recv: dict[DescKey, Desc] = {}
         self._ids: dict[Hashable, int] = {}
+        # values computed from the descriptions known now (the receives a step posts
+        # ahead, runtime/transfer/lookahead.py), by the caller's key; dropped when a
+        # description is added
+        self.derived: dict[Hashable, Any] = {}
+
+    def add(self, send: dict[DescKey, Desc], recv: dict[DescKey, Desc]) -> None:
+        """Descriptions now known to both ends of their streams."""
+        if not send and not recv:
+            return
+        self.send.update(send)
+        self.recv.update(recv)
+        self.derived.clear()
 
     def intern(self, signature: Hashable) -> int:
         """A small number standing for an input signature in description keys (a nested
