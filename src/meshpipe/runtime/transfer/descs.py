@@ -53,6 +53,9 @@ class DescCache:
         self.send: dict[DescKey, Desc] = {}
         self.recv: dict[DescKey, Desc] = {}
         self._ids: dict[Hashable, int] = {}
+        # the same signature objects come back step after step (the driver keeps them):
+        # found by identity, they are not hashed again (a nested tuple hashes slowly)
+        self._by_id: dict[int, tuple[Hashable, int]] = {}
         # values computed from the descriptions known now (the receives a step posts
         # ahead, runtime/transfer/lookahead.py), by the caller's key; dropped when a
         # description is added
@@ -69,4 +72,11 @@ class DescCache:
     def intern(self, signature: Hashable) -> int:
         """A small number standing for an input signature in description keys (a nested
         tuple is hashed once per microbatch and step, not once per transfer)."""
-        return self._ids.setdefault(signature, len(self._ids))
+        seen = self._by_id.get(id(signature))
+        if seen is not None and seen[0] is signature:
+            return seen[1]
+        number = self._ids.setdefault(signature, len(self._ids))
+        if len(self._by_id) >= 4096:
+            self._by_id.clear()
+        self._by_id[id(signature)] = (signature, number)  # holds it: its id stays its own
+        return number
