@@ -116,7 +116,10 @@ def ranks(num: int, rounds: int, steps: int, profile: str | None) -> dict[str, A
         name = k.replace(" ", "-").replace("-written-loop", "")
         prof.dump_stats(os.path.join(profile or ".", f"{name}-rank{rank}.prof"))
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(prof, stream=text)
+        calls = stats.total_calls / (rounds * steps * actions)  # type: ignore[attr-defined]
+        text.write(f"Python function calls per action: {calls:.1f}\n")
+        stats.sort_stats("tottime").print_stats(25)
         out["profiles"][k] = text.getvalue()
     return out
 
@@ -127,12 +130,14 @@ def report(results: list[dict[str, Any]]) -> None:
         torch_wall = median(t["torch"]["wall"])
         torch_cpu = median(t["torch"]["thread"])
         print(f"rank {rank}: {res['actions']} actions per step")
+        torch_min = min(t["torch"]["thread"])
         for k in RUNTIMES:
             wall, cpu, proc = (median(t[k][f]) for f in ("wall", "thread", "process"))
+            least = min(t[k]["thread"])
             print(
-                f"  {k:18s} main-thread CPU {cpu:6.1f} us/action ({cpu / torch_cpu:.3f}x torch)"
-                f"  process CPU {proc:6.1f} us/action  step {wall * 1e3:6.2f} ms wall "
-                f"({wall / torch_wall:.3f}x torch)"
+                f"  {k:18s} main-thread CPU {cpu:6.1f} us/action ({cpu / torch_cpu:.3f}x torch; "
+                f"least {least:5.1f}, {least / torch_min:.3f}x)  process CPU {proc:6.1f} "
+                f"us/action  step {wall * 1e3:6.2f} ms wall ({wall / torch_wall:.3f}x torch)"
             )
         ratios = [a / b for a, b in zip(t["meshpipe"]["wall"], t["torch"]["wall"], strict=True)]
         print(f"  meshpipe/torch wall, per round: {', '.join(f'{v:.2f}' for v in ratios)}")

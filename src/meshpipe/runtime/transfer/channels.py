@@ -52,4 +52,3 @@ def post_ops(ch: Channels, ops: list[Op]) -> list[Any]:
         )
         for kind, t, peer in ops
     ]
-
