@@ -139,8 +139,12 @@ def report(results: list[dict[str, Any]]) -> None:
                 f"least {least:5.1f}, {least / torch_min:.3f}x)  process CPU {proc:6.1f} "
                 f"us/action  step {wall * 1e3:6.2f} ms wall ({wall / torch_wall:.3f}x torch)"
             )
-        ratios = [a / b for a, b in zip(t["meshpipe"]["wall"], t["torch"]["wall"], strict=True)]
-        print(f"  meshpipe/torch wall, per round: {', '.join(f'{v:.2f}' for v in ratios)}")
+        for f, what in (("thread", "main-thread CPU"), ("wall", "wall")):
+            ratios = [a / b for a, b in zip(t["meshpipe"][f], t["torch"][f], strict=True)]
+            print(
+                f"  meshpipe/torch {what}, per round: {', '.join(f'{v:.2f}' for v in ratios)}"
+                f" (median {median(ratios):.3f})"
+            )
 
 
 def main() -> int:

@@ -81,6 +81,7 @@ class RecvAhead:
         self.budget = budget
         self._queues: dict[int, deque[P2P]] = {}
         self._ahead: list[P2P] = []
+        self.waiting = False  # receives to post ahead with the next group
         self.posted_ahead = 0  # receives posted before their group, this step
 
     def load(self, groups: Iterable[tuple[P2P, ...]], nbytes: Callable[[P2P], int]) -> None:
@@ -92,6 +93,7 @@ class RecvAhead:
         """Start a step with a :func:`plan` (made for this budget)."""
         ahead, queues = planned
         self._ahead = list(ahead)
+        self.waiting = bool(ahead)
         self._queues = {peer: deque(ops) for peer, ops in queues.items()}
 
     def due(self, op: P2P) -> bool:
@@ -109,6 +111,7 @@ class RecvAhead:
         if not self._ahead:
             return []
         out, self._ahead = self._ahead, []
+        self.waiting = False
         for op in out:
             popped = self._queues[op.peer].popleft()
             if popped != op:

@@ -47,7 +47,7 @@ from meshpipe.runtime.mesh.layout import (
 )
 from meshpipe.runtime.transfer import wire
 from meshpipe.runtime.transfer.channels import Channels, Op
-from meshpipe.runtime.transfer.descs import Desc, DescCache
+from meshpipe.runtime.transfer.descs import DescCache
 from meshpipe.runtime.transfer.failing import notify, play_out_ops, remote_error, run_play_out
 from meshpipe.runtime.transfer.lookahead import RecvAhead, lookahead_budget, plan
 from meshpipe.runtime.transfer.reader import Reader
@@ -290,15 +290,23 @@ class Comm:
         ops: list[Op] = []
         recvs: list[Recv] = []
         posted = []  # what is posted now: sends first, then receives in program order
+        streams, ahead = self.streams, self._ahead
+        receives = False
         for op in group:
             if op.op == "send":
-                self.streams.send(op, self._outbox.pop((op.peer, op.transfer)), ops)
+                streams.send(op, self._outbox.pop((op.peer, op.transfer)), ops)
                 posted.append(op)
-        ahead = self._ahead.ahead()  # with the step's first group only
-        due = [op for op in group if op.op == "recv" and self._ahead.due(op)]
-        for op in (*ahead, *due):
-            recvs.append(self.streams.recv(op, ops))
-            posted.append(op)
+            else:
+                receives = True
+        if ahead.waiting:  # the step's first group: the receives posted ahead
+            for op in ahead.ahead():
+                recvs.append(streams.recv(op, ops))
+                posted.append(op)
+        if receives:
+            for op in group:
+                if op.op == "recv" and ahead.due(op):
+                    recvs.append(streams.recv(op, ops))
+                    posted.append(op)
         if not posted:
             return
         works = self.io.issue(ops)
@@ -362,9 +370,13 @@ class Comm:
         r = self._recvs.pop((peer, transfer))
         deadline = time.monotonic() + self.timeout
         try:
-            if r.desc is None:
+            desc = r.desc
+            if desc is None:
                 return self._take_whole(r, deadline, doing)
-            return self._take_data(r, r.desc, deadline, doing)
+            for work in r.works:  # on CUDA a stream wait, bounded by the watchdog
+                self.io.wait(work, deadline, lambda: f"{doing}: receive", r.peer)
+            self._raise_remote_error()
+            return self.streams.data_value(r, desc)
         except CommTimeoutError as e:
             self._raise_remote_error()
             raise CommTimeoutError(
@@ -376,12 +388,6 @@ class Comm:
                 mb=transfer.mb,
                 peer=r.peer,
             ) from e
-
-    def _take_data(self, r: Recv, desc: Desc, deadline: float, doing: object) -> Any:
-        for work in r.works:  # on CUDA a stream wait, bounded by the watchdog
-            self.io.wait(work, deadline, lambda: f"{doing}: receive", r.peer)
-        self._raise_remote_error()
-        return self.streams.data_value(r, desc)
 
     def _take_whole(self, r: Recv, deadline: float, doing: object) -> Any:
         reader = self._readers[r.peer]
@@ -403,9 +409,10 @@ class Comm:
 
     def _raise_remote_error(self) -> None:
         for reader in self._readers.values():
-            err = reader.poll_error()
-            if err is not None:
-                raise err
+            if reader.error_queued:  # (poll_error's own test, without the call)
+                err = reader.poll_error()
+                if err is not None:
+                    raise err
         if self._watchdog is not None:
             self._watchdog.check()
 
