@@ -81,15 +81,18 @@ def _engine_backward(roots: Sequence[Root], grads: Sequence[torch.Tensor]) -> bo
     transform. Then it is the same call into the engine (``_engine_run_backward``: the same
     hooks, the same accumulation into ``.grad``) without ``_make_grads``' checks, which cost
     about as much as the engine on a small stage. False: not such a case, nothing run (the
-    caller runs torch.autograd.backward, which raises its own errors)."""
+    caller runs torch.autograd.backward, which raises its own errors, and passes the call to
+    an active torch function mode)."""
     if _run_engine is None or torch._C._are_functorch_transforms_active():
         return False
+    tensors = []
     for root, g in zip(roots, grads, strict=True):
         if type(g) is not torch.Tensor:
             return False
         if type(root) is torch.Tensor:
             if root.is_nested or root.shape != g.shape or root.is_complex() != g.is_complex():
                 return False
+            tensors.append(root)
         elif isinstance(root, GradientEdge):
             meta = root.node._input_metadata[root.output_nr]
             if (
@@ -101,6 +104,8 @@ def _engine_backward(roots: Sequence[Root], grads: Sequence[torch.Tensor]) -> bo
                 return False
         else:
             return False
+    if tensors and torch._C._has_torch_function(tuple(tensors)):
+        return False  # a torch function mode is on: it sees the call (through the public one)
     _run_engine(
         tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
     )
