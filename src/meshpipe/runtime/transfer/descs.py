@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -56,6 +56,7 @@ class DescCache:
         # the same signature objects come back step after step (the driver keeps them):
         # found by identity, they are not hashed again (a nested tuple hashes slowly)
         self._by_id: dict[int, tuple[Hashable, int]] = {}
+        self._lists: dict[int, tuple[Sequence[Hashable], tuple[int, ...]]] = {}
         # values computed from the descriptions known now (the receives a step posts
         # ahead, runtime/transfer/lookahead.py), by the caller's key; dropped when a
         # description is added
@@ -80,3 +81,15 @@ class DescCache:
             self._by_id.clear()
         self._by_id[id(signature)] = (signature, number)  # holds it: its id stays its own
         return number
+
+    def intern_all(self, signatures: Sequence[Hashable]) -> list[int]:
+        """:meth:`intern` of each; a list of signatures seen before (the same object: the
+        driver keeps a call's list) is answered at once."""
+        seen = self._lists.get(id(signatures))
+        if seen is not None and seen[0] is signatures:
+            return list(seen[1])
+        numbers = tuple(self.intern(sig) for sig in signatures)
+        if len(self._lists) >= 256:
+            self._lists.clear()
+        self._lists[id(signatures)] = (signatures, numbers)  # holds it: its id stays its own
+        return list(numbers)

@@ -53,7 +53,7 @@ class Streams:
         io: Transport,
     ) -> None:
         self.cache = cache
-        self.signatures = [cache.intern(sig) for sig in signatures]
+        self.signatures = cache.intern_all(signatures)
         self.device = device
         self.io = io
         self.bytes_sent = 0
