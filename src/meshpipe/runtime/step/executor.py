@@ -103,6 +103,75 @@ def routes(schedule: Schedule, rank: int) -> tuple[_Route, ...]:
     return memo(schedule, f"runtime routes {rank}", lambda sch: _routes_of(sch, rank))
 
 
+class _Interpreter:
+    """One step's run of this rank's actions: the values handed between stages on this
+    rank, the loss records and the timings (see :func:`run_actions`)."""
+
+    def __init__(
+        self,
+        rank: int,
+        stages: Mapping[int, StageRunner],
+        mbs: Microbatches,
+        comm: Comm,
+        training: bool,
+        status: RankStatus,
+        hooks: Mapping[Action, list[Callable[[], None]]] | None,
+        pre_hooks: Mapping[Action, list[Callable[[], None]]] | None,
+    ) -> None:
+        self.rank, self.stages, self.comm, self.training = rank, stages, comm, training
+        self.status, self.hooks, self.pre_hooks = status, hooks, pre_hooks
+        self.inputs = list(zip(mbs.args, mbs.kwargs, strict=True))
+        self.targets, self.shares = mbs.targets, mbs.shares
+        self.acts: dict[tuple[int, int], Any] = {}  # local hand-offs: (dst stage, mb) -> value
+        self.grads: dict[tuple[int, int], Any] = {}
+        self.losses: dict[int, LossRecord] = {}
+        self.records: list[ActionRecord] = []
+
+    def run(self, i: int, r: _Route) -> None:
+        """Action ``i`` of the row: its groups posted, its input taken, the stage run, its
+        output handed on."""
+        a, s, mb, comm, clock = r.action, r.stage, r.mb, self.comm, time.perf_counter
+        t0 = clock()
+        self.status.action = a
+        comm.post(i)  # the previous action's send and this action's receive, together
+        if self.pre_hooks and a in self.pre_hooks:
+            _run_hooks(self.pre_hooks[a], a, self.rank)
+        forward = r.op is Op.F
+        value: Any = None
+        if r.take is not None:
+            self.status.waiting_for = r.peer
+            value = comm.take(r.take, a)
+            self.status.waiting_for = None
+        elif r.local_in:
+            value = (self.acts if forward else self.grads).pop((s, mb))
+            if forward and self.training:
+                value = as_stage_input(value)
+        t1 = clock()
+        st = self.stages[s]
+        out: Any = None
+        if forward:
+            out = st.forward(
+                mb, value, self.inputs[mb], self.targets[mb], self.shares[mb], self.training
+            )
+        elif r.op is Op.W:
+            st.weight(mb)
+        else:  # B or I
+            out = st.backward(mb, value, split=r.op is Op.I)
+        if r.put is not None:
+            comm.put(r.put, out)
+        elif r.local_out:
+            if forward:
+                self.acts[(s + 1, mb)] = out
+            else:
+                self.grads[(s - 1, mb)] = out
+        elif forward and self.training:  # the last stage: its loss
+            self.losses[mb] = out
+        del out, value
+        if self.hooks and a in self.hooks:
+            _run_hooks(self.hooks[a], a, self.rank)
+        self.records.append(ActionRecord(a, t0, t1, clock()))
+
+
 def run_actions(
     schedule: Schedule,
     rank: int,
@@ -119,72 +188,17 @@ def run_actions(
     ``pre_hooks[action]`` run right before ``action`` and ``hooks[action]`` right after it
     (gradient reductions, FSDP2 gathers and reshards).
     """
-    shares = mbs.shares
-    acts: dict[tuple[int, int], Any] = {}  # local hand-offs: (dst stage, mb) -> value
-    grads: dict[tuple[int, int], Any] = {}
-    losses: dict[int, LossRecord] = {}
-    records: list[ActionRecord] = []
-    clock = time.perf_counter
-    run_status = RankStatus() if status is None else status
-    f_op, w_op = Op.F, Op.W
-
-    def run(i: int, r: _Route) -> None:
-        a, s, mb = r.action, r.stage, r.mb
-        st = stages[s]
-        t0 = clock()
-        run_status.action = a
-        comm.post(i)  # the previous action's send and this action's receive, together
-        if pre_hooks and a in pre_hooks:
-            _run_hooks(pre_hooks[a], a, rank)
-        value: Any = None
-        if r.op is f_op:
-            if r.take is not None:
-                run_status.waiting_for = r.peer
-                value = comm.take(r.take, a)
-                run_status.waiting_for = None
-            elif r.local_in:
-                value = acts.pop((s, mb))
-                if training:
-                    value = as_stage_input(value)
-            t1 = clock()
-            out = st.forward(
-                mb, value, (mbs.args[mb], mbs.kwargs[mb]), mbs.targets[mb], shares[mb], training
-            )
-            if r.put is not None:
-                comm.put(r.put, out)
-            elif r.local_out:
-                acts[(s + 1, mb)] = out
-            elif training:  # the last stage: its loss
-                losses[mb] = out
-        elif r.op is w_op:
-            t1 = clock()
-            st.weight(mb)
-        else:
-            if r.take is not None:
-                run_status.waiting_for = r.peer
-                value = comm.take(r.take, a)
-                run_status.waiting_for = None
-            elif r.local_in:
-                value = grads.pop((s, mb))
-            t1 = clock()
-            in_grads = st.backward(mb, value, split=r.op is Op.I)
-            if r.put is not None:
-                comm.put(r.put, in_grads)
-            elif r.local_out:
-                grads[(s - 1, mb)] = in_grads
-        if hooks and a in hooks:
-            _run_hooks(hooks[a], a, rank)
-        records.append(ActionRecord(a, t0, t1, clock()))
-
+    status = RankStatus() if status is None else status
+    step = _Interpreter(rank, stages, mbs, comm, training, status, hooks, pre_hooks)
     row = routes(schedule, rank)
     if torch.autograd.profiler._is_profiler_enabled:
         # one torch.profiler range per action (``meshpipe 1W3``) while a profiler records
         # (torch.profiler, Kineto/Perfetto, emit_nvtx for Nsight); nothing otherwise
         for i, r in enumerate(row):
             with torch.profiler.record_function(f"meshpipe {r.action}"):
-                run(i, r)
+                step.run(i, r)
     else:
         for i, r in enumerate(row):
-            run(i, r)
+            step.run(i, r)
     comm.post(len(row))  # the last action's send
-    return losses, records
+    return step.losses, step.records
