@@ -67,12 +67,15 @@ class StepDriver:
         self.spmd = spmd
         self.accumulate = accumulate
         self.programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
+        # what Comm derives from each program alone, kept with it (see Comm.begin)
+        self.program_memos: dict[int, dict[str, Any]] = {}
         self.channels: Channels = pp_channels(topo)
         self.calls = CallCheck(
             check_inputs, self.channels.ctrl, len(topo.layout.ranks), topo.layout.me,
             timeout, topo.layout, self.channels.data, topo.device,
         )  # fmt: skip
         self.descs = DescCache()
+        self.signatures: dict[Any, list[Any]] = {}  # see _signatures
         self.readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
         self.watchdog = Watchdog() if topo.device.type == "cuda" else None
         self.comm_now: Comm | None = None
@@ -118,11 +121,12 @@ class StepDriver:
         program = self.programs.get(key)
         if program is None:
             program = self.programs[key] = program_positions(schedule, topo.pp_rank)
+            self.program_memos[key] = {}
         comm = Comm(
             self.channels, topo.layout.me, self.timeout, topo.device, self.descs, signatures,
             self.watchdog, self.readers, topo.layout, rows, topo.tp_mesh,
         )  # fmt: skip
-        comm.begin(*program, schedule.placement)
+        comm.begin(*program, schedule.placement, memo=self.program_memos[key])
         return comm
 
     def _prepare(
@@ -149,10 +153,30 @@ class StepDriver:
         self.last_mbs = mbs
         for r in runners.values():
             r.reset()
-        signatures = [
-            (training, input_signature(a, k)) for a, k in zip(whole.args, whole.kwargs, strict=True)
-        ]
-        return mbs, signatures, whole.sizes
+        return mbs, self._signatures(call, whole, training, chunk_spec), whole.sizes
+
+    def _signatures(
+        self,
+        call: tuple[tuple[Any, ...], dict[str, Any], Any],
+        whole: Microbatches,
+        training: bool,
+        chunk_spec: ChunkSpec | None,
+    ) -> list[Any]:
+        """Each whole microbatch's input signature. The split is a function of the whole
+        call's signature, the microbatch count and the chunk spec (tensor leaves cut by
+        ``tensor_split``, other leaves given to every microbatch), so the signatures are
+        kept per those and computed once, not per microbatch and step."""
+        spec = None if not chunk_spec else tuple(chunk_spec.items())
+        key = (training, input_signature(call[0], call[1]), len(whole.args), spec)
+        found = self.signatures.get(key)
+        if found is None:
+            if len(self.signatures) >= 64:
+                self.signatures.clear()
+            found = self.signatures[key] = [
+                (training, input_signature(a, k))
+                for a, k in zip(whole.args, whole.kwargs, strict=True)
+            ]
+        return found
 
     def run(
         self,

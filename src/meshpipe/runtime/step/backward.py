@@ -20,6 +20,10 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from meshpipe.runtime.step.split_compile import Deferred, collecting, is_split_node
 
+# what torch.autograd.backward calls once its arguments are checked (None: a torch without
+# it, where the public call is used)
+_run_engine: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
 __all__ = ["backward_full", "backward_input", "WeightGrad"]
 
 
@@ -61,11 +65,51 @@ def backward_full(
     # tensors go to the engine as they are: quicker than by their gradient edges
     tensors = [r for r in roots if isinstance(r, torch.Tensor)]
     if len(tensors) == len(roots):
-        if tensors:
+        if tensors and not _engine_backward(tensors, gs):
             torch.autograd.backward(tensors, gs)
     else:  # edges (outputs of a middle stage), or a mix: all as edges
-        torch.autograd.backward([e for r in roots if (e := _edge(r)) is not None], gs)
+        edges = [e for r in roots if (e := _edge(r)) is not None]
+        if not _engine_backward(edges, gs):
+            torch.autograd.backward(edges, gs)
     return [x.grad if x.requires_grad else None for x in inputs]
+
+
+def _engine_backward(roots: Sequence[Root], grads: Sequence[torch.Tensor]) -> bool:
+    """``torch.autograd.backward(roots, grads)`` without its Python preamble, where the
+    preamble would pass every value through unchanged: plain tensors (no subclass, no
+    nested tensor), each gradient of its output's shape and complex-ness, no functorch
+    transform. Then it is the same call into the engine (``_engine_run_backward``: the same
+    hooks, the same accumulation into ``.grad``) without ``_make_grads``' checks, which cost
+    about as much as the engine on a small stage. False: not such a case, nothing run (the
+    caller runs torch.autograd.backward, which raises its own errors, and passes the call to
+    an active torch function mode)."""
+    if _run_engine is None or torch._C._are_functorch_transforms_active():
+        return False
+    tensors = []
+    for root, g in zip(roots, grads, strict=True):
+        if type(g) is not torch.Tensor:
+            return False
+        if type(root) is torch.Tensor:
+            if root.is_nested or root.shape != g.shape or root.is_complex() != g.is_complex():
+                return False
+            tensors.append(root)
+        elif isinstance(root, GradientEdge):
+            meta = root.node._input_metadata[root.output_nr]
+            if (
+                meta.is_nested_tensor
+                or meta.is_cpp_nested_tensor
+                or meta.dtype.is_complex != g.is_complex()
+                or tuple(meta.shape) != g.shape
+            ):
+                return False
+        else:
+            return False
+    if tensors and torch._C._has_torch_function(tuple(tensors)):
+        return False  # a torch function mode is on: it sees the call (through the public one)
+    _run_engine(
+        tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
+    return True
 
 
 @dataclass

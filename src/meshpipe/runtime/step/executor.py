@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from meshpipe.runtime.step.stage import LossRecord, StageRunner, as_stage_input
 from meshpipe.runtime.transfer.p2p import Comm
 from meshpipe.schedule.comm import Transfer
 from meshpipe.schedule.ir import Action, Op, Schedule
+from meshpipe.schedule.memo import memo
 
 __all__ = ["ActionRecord", "RankStatus", "run_actions"]
 
@@ -52,12 +52,124 @@ def _run_hooks(hooks: list[Callable[[], None]], action: Action, rank: int) -> No
         raise err from e
 
 
-def _ranges(row: tuple[Action, ...]) -> list[contextlib.AbstractContextManager[Any]]:
-    """One torch.profiler range per action (``meshpipe 1W3``) while a profiler records
-    (torch.profiler, Kineto/Perfetto, emit_nvtx for Nsight); nothing otherwise."""
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return [contextlib.nullcontext() for _ in row]
-    return [torch.profiler.record_function(f"meshpipe {a}") for a in row]
+class _Route(NamedTuple):
+    """One action of this rank with where its input comes from and where its output goes,
+    worked out once per schedule and rank (runtime/step is run for every action)."""
+
+    action: Action
+    op: Op
+    stage: int
+    mb: int
+    take: Transfer | None  # its input, received from rank ``peer``
+    peer: int | None
+    local_in: bool  # its input handed over by a stage on this rank
+    put: Transfer | None  # its output, sent to another rank
+    local_out: bool  # its output handed to a stage on this rank
+
+
+def _routes_of(schedule: Schedule, rank: int) -> tuple[_Route, ...]:
+    placement, last = schedule.placement, schedule.num_stages - 1
+    out = []
+    for a in schedule.actions[rank]:
+        s, mb = a.stage, a.mb
+        take: Transfer | None = None
+        put: Transfer | None = None
+        peer: int | None = None
+        local_in = local_out = False
+        if a.op is Op.F:
+            if s > 0 and placement[s - 1] == rank:
+                local_in = True
+            elif s > 0:
+                take, peer = Transfer("act", s - 1, s, mb), placement[s - 1]
+            if s < last and placement[s + 1] == rank:
+                local_out = True
+            elif s < last:
+                put = Transfer("act", s, s + 1, mb)
+        elif a.op is not Op.W:  # B or I
+            if s < last and placement[s + 1] == rank:
+                local_in = True
+            elif s < last:
+                take, peer = Transfer("grad", s + 1, s, mb), placement[s + 1]
+            if s > 0 and placement[s - 1] == rank:
+                local_out = True
+            elif s > 0:
+                put = Transfer("grad", s, s - 1, mb)
+        out.append(_Route(a, a.op, s, mb, take, peer, local_in, put, local_out))
+    return tuple(out)
+
+
+def routes(schedule: Schedule, rank: int) -> tuple[_Route, ...]:
+    """This rank's actions routed, computed once per schedule object (schedule/memo.py)."""
+    return memo(schedule, f"runtime routes {rank}", lambda sch: _routes_of(sch, rank))
+
+
+class _Interpreter:
+    """One step's run of this rank's actions: the values handed between stages on this
+    rank, the loss records and the timings (see :func:`run_actions`)."""
+
+    def __init__(
+        self,
+        rank: int,
+        stages: Mapping[int, StageRunner],
+        mbs: Microbatches,
+        comm: Comm,
+        training: bool,
+        status: RankStatus,
+        hooks: Mapping[Action, list[Callable[[], None]]] | None,
+        pre_hooks: Mapping[Action, list[Callable[[], None]]] | None,
+    ) -> None:
+        self.rank, self.stages, self.comm, self.training = rank, stages, comm, training
+        self.status, self.hooks, self.pre_hooks = status, hooks, pre_hooks
+        self.inputs = list(zip(mbs.args, mbs.kwargs, strict=True))
+        self.targets, self.shares = mbs.targets, mbs.shares
+        self.acts: dict[tuple[int, int], Any] = {}  # local hand-offs: (dst stage, mb) -> value
+        self.grads: dict[tuple[int, int], Any] = {}
+        self.losses: dict[int, LossRecord] = {}
+        self.records: list[ActionRecord] = []
+
+    def run(self, i: int, r: _Route) -> None:
+        """Action ``i`` of the row: its groups posted, its input taken, the stage run, its
+        output handed on."""
+        a, s, mb, comm, clock = r.action, r.stage, r.mb, self.comm, time.perf_counter
+        t0 = clock()
+        self.status.action = a
+        comm.post(i)  # the previous action's send and this action's receive, together
+        if self.pre_hooks and a in self.pre_hooks:
+            _run_hooks(self.pre_hooks[a], a, self.rank)
+        forward = r.op is Op.F
+        value: Any = None
+        if r.take is not None:
+            self.status.waiting_for = r.peer
+            value = comm.take(r.take, a)
+            self.status.waiting_for = None
+        elif r.local_in:
+            value = (self.acts if forward else self.grads).pop((s, mb))
+            if forward and self.training:
+                value = as_stage_input(value)
+        t1 = clock()
+        st = self.stages[s]
+        out: Any = None
+        if forward:
+            out = st.forward(
+                mb, value, self.inputs[mb], self.targets[mb], self.shares[mb], self.training
+            )
+        elif r.op is Op.W:
+            st.weight(mb)
+        else:  # B or I
+            out = st.backward(mb, value, split=r.op is Op.I)
+        if r.put is not None:
+            comm.put(r.put, out)
+        elif r.local_out:
+            if forward:
+                self.acts[(s + 1, mb)] = out
+            else:
+                self.grads[(s - 1, mb)] = out
+        elif forward and self.training:  # the last stage: its loss
+            self.losses[mb] = out
+        del out, value
+        if self.hooks and a in self.hooks:
+            _run_hooks(self.hooks[a], a, self.rank)
+        self.records.append(ActionRecord(a, t0, t1, clock()))
 
 
 def run_actions(
@@ -76,72 +188,17 @@ def run_actions(
     ``pre_hooks[action]`` run right before ``action`` and ``hooks[action]`` right after it
     (gradient reductions, FSDP2 gathers and reshards).
     """
-    placement = schedule.placement
-    last = schedule.num_stages - 1
-    shares = mbs.shares
-    acts: dict[tuple[int, int], Any] = {}  # local hand-offs: (dst stage, mb) -> value
-    grads: dict[tuple[int, int], Any] = {}
-    losses: dict[int, LossRecord] = {}
-    records: list[ActionRecord] = []
-    clock = time.perf_counter
-    if status is None:
-        status = RankStatus()
-    row = schedule.actions[rank]
-    ranges = _ranges(row)
-    for i, a in enumerate(row):
-        with ranges[i]:
-            s, mb = a.stage, a.mb
-            st = stages[s]
-            t0 = clock()
-            status.action = a
-            comm.post(i)  # the previous action's send and this action's receive, together
-            if pre_hooks and a in pre_hooks:
-                _run_hooks(pre_hooks[a], a, rank)
-            if a.op is Op.F:
-                value: Any = None
-                if s == 0:
-                    pass
-                elif placement[s - 1] == rank:
-                    value = acts.pop((s, mb))
-                    if training:
-                        value = as_stage_input(value)
-                else:
-                    status.waiting_for = placement[s - 1]
-                    value = comm.take(Transfer("act", s - 1, s, mb), a)
-                    status.waiting_for = None
-                t1 = clock()
-                mb_inputs = (mbs.args[mb], mbs.kwargs[mb])
-                out = st.forward(mb, value, mb_inputs, mbs.targets[mb], shares[mb], training)
-                if s == last:
-                    if training:
-                        losses[mb] = out
-                elif placement[s + 1] == rank:
-                    acts[(s + 1, mb)] = out
-                else:
-                    comm.put(Transfer("act", s, s + 1, mb), out)
-                del out, value
-            elif a.op is Op.W:
-                t1 = clock()
-                st.weight(mb)
-            else:
-                g: Any = None
-                if s < last:
-                    if placement[s + 1] == rank:
-                        g = grads.pop((s, mb))
-                    else:
-                        status.waiting_for = placement[s + 1]
-                        g = comm.take(Transfer("grad", s + 1, s, mb), a)
-                        status.waiting_for = None
-                t1 = clock()
-                in_grads = st.backward(mb, g, split=a.op is Op.I)
-                if s > 0:
-                    if placement[s - 1] == rank:
-                        grads[(s - 1, mb)] = in_grads
-                    else:
-                        comm.put(Transfer("grad", s, s - 1, mb), in_grads)
-                del g, in_grads
-            if hooks and a in hooks:
-                _run_hooks(hooks[a], a, rank)
-            records.append(ActionRecord(a, t0, t1, clock()))
+    status = RankStatus() if status is None else status
+    step = _Interpreter(rank, stages, mbs, comm, training, status, hooks, pre_hooks)
+    row = routes(schedule, rank)
+    if torch.autograd.profiler._is_profiler_enabled:
+        # one torch.profiler range per action (``meshpipe 1W3``) while a profiler records
+        # (torch.profiler, Kineto/Perfetto, emit_nvtx for Nsight); nothing otherwise
+        for i, r in enumerate(row):
+            with torch.profiler.record_function(f"meshpipe {r.action}"):
+                step.run(i, r)
+    else:
+        for i, r in enumerate(row):
+            step.run(i, r)
     comm.post(len(row))  # the last action's send
-    return losses, records
+    return step.losses, step.records

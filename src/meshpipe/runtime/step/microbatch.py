@@ -91,21 +91,28 @@ def _split_value(value: Any, num: int, dim: int | Replicate, where: str) -> list
     if isinstance(dim, Replicate):
         return [value] * num
     leaves, spec = flatten(value)
-    chunks: list[list[torch.Tensor]] = []
-    for i, t in enumerate(leaves):
-        if t.dim() == 0:
-            chunks.append([t] * num)
-            continue
-        d = dim if dim >= 0 else t.dim() + dim
-        if not 0 <= d < t.dim():
-            raise PipelineError(f"{where}: chunk dim {dim} out of range for a {t.dim()}-d tensor")
-        if t.shape[d] < num:
-            raise PipelineError(
-                f"{where}: tensor leaf {i} has size {t.shape[d]} on dim {d}, smaller than "
-                f"num_microbatches={num}; use a larger batch or fewer microbatches"
-            )
-        chunks.append(list(torch.tensor_split(t, num, dim=d)))
-    return [unflatten([c[k] for c in chunks], spec) for k in range(num)]
+    chunks = [_split_leaf(t, i, num, dim, where) for i, t in enumerate(leaves)]
+    if spec == ["T", 0]:  # a tensor: its chunks are the microbatches' values
+        return chunks[0]
+    if not chunks:  # no tensor leaf: the value to every microbatch
+        return [unflatten([], spec) for _ in range(num)]
+    return [unflatten(list(leaves_k), spec) for leaves_k in zip(*chunks)]
+
+
+def _split_leaf(t: torch.Tensor, i: int, num: int, dim: int, where: str) -> list[torch.Tensor]:
+    """Leaf ``i`` of an argument cut into ``num`` parts on ``dim`` (a 0-dim leaf: given
+    to every part)."""
+    if t.dim() == 0:
+        return [t] * num
+    d = dim if dim >= 0 else t.dim() + dim
+    if not 0 <= d < t.dim():
+        raise PipelineError(f"{where}: chunk dim {dim} out of range for a {t.dim()}-d tensor")
+    if t.shape[d] < num:
+        raise PipelineError(
+            f"{where}: tensor leaf {i} has size {t.shape[d]} on dim {d}, smaller than "
+            f"num_microbatches={num}; use a larger batch or fewer microbatches"
+        )
+    return list(torch.tensor_split(t, num, dim=d))
 
 
 def _check_rows(
@@ -141,6 +148,8 @@ def _check_rows(
 
 
 def _batch_size(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() > 0 else None
     leaves, _ = flatten(value)
     for t in leaves:
         if t.dim() > 0:
@@ -174,9 +183,12 @@ def split_microbatches(
                 (s for s in (_batch_size(a[k]) for a in per_arg) if s is not None), None
             ) or next((s for s in (_batch_size(v[k]) for v in per_kw.values()) if s is not None), 1)
         sizes.append(size)
+    names = list(per_kw)
     return Microbatches(
-        args=[tuple(a[k] for a in per_arg) for k in range(num)],
-        kwargs=[{name: v[k] for name, v in per_kw.items()} for k in range(num)],
+        args=list(zip(*per_arg)) if per_arg else [() for _ in range(num)],
+        kwargs=[dict(zip(names, vs)) for vs in zip(*per_kw.values())]
+        if per_kw
+        else [{} for _ in range(num)],
         targets=targets,
         sizes=sizes,
     )

@@ -20,6 +20,10 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
     """Tensor leaves in depth-first order, and the structure to rebuild ``obj``."""
     if isinstance(obj, torch.Tensor):  # the usual boundary value, once per transfer
         return [obj], ["T", 0]
+    kind = type(obj)
+    if (kind is list or kind is tuple) and all(isinstance(x, torch.Tensor) for x in obj):
+        # a flat sequence of tensors (a stage's input gradients, a tuple of outputs)
+        return list(obj), [kind.__name__, [["T", i] for i in range(len(obj))]]
     leaves: list[torch.Tensor] = []
 
     def walk(x: Any, path: str) -> Spec:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -112,6 +113,8 @@ class StageRunner:
         return torch.autocast(device_type=device, dtype=self.autocast)
 
     def _call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.autocast is None and not self.recompute:  # the usual stage: no context
+            return self._plain_call(value, args, kwargs)
         with self._mixed():
             if self.recompute and torch.is_grad_enabled():
                 # keep only the stage's inputs; backward (I, or B) runs the forward again
@@ -182,8 +185,10 @@ class StageRunner:
         if not self.is_last:
             leaves, _ = flatten(out)
             saved.roots = [_edge_of(t) for t in leaves]
-            if any(isinstance(t, DTensor) for t in leaves):
-                saved.layouts = [_layout_of(t) for t in leaves]
+            for t in leaves:
+                if isinstance(t, DTensor):
+                    saved.layouts = [_layout_of(t) for t in leaves]
+                    break
             return out
         if self.keep_outputs:  # step(..., return_outputs=True)
             self.outputs[mb] = _detached(out)
@@ -208,8 +213,11 @@ class StageRunner:
         if self.loss_fn is None:
             raise PipelineError("step() needs a loss_fn; pass loss_fn= to Pipeline")
         # autocast computes losses such as mse and cross entropy in fp32
-        with self._mixed(), self._loss_scope():
+        if self.autocast is None and self.loss_context is None:  # the usual stage: no context
             result = self.loss_fn(*loss_args(self._loss_use, out, target))
+        else:
+            with self._mixed(), self._loss_scope():
+                result = self.loss_fn(*loss_args(self._loss_use, out, target))
         if isinstance(result, (tuple, list)):
             if len(result) != 2:
                 raise PipelineError(
@@ -238,6 +246,8 @@ class StageRunner:
 
     def backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         """B (``split=False``) or I (``split=True``); returns gradients of the stage inputs."""
+        if self.loss_context is None or not self.is_last:  # the usual stage: no context
+            return self._backward(mb, grads, split)
         with self._loss_scope():
             return self._backward(mb, grads, split)
 
@@ -342,7 +352,11 @@ def _root_of(t: torch.Tensor) -> torch.Tensor | None:
 def _edge_of(t: torch.Tensor) -> Any:
     if not t.requires_grad:
         return None
-    return torch.autograd.graph.get_gradient_edge(t)
+    fn = t.grad_fn
+    if fn is not None and not isinstance(fn, torch._C._FunctionBase):
+        # what get_gradient_edge returns for an output of a C++ node (the usual case)
+        return GradientEdge(fn, t.output_nr)
+    return get_gradient_edge(t)
 
 
 def _check_scalar(value: Any, mb: int) -> None:

@@ -45,14 +45,10 @@ def post_ops(ch: Channels, ops: list[Op]) -> list[Any]:
         return [batch[-1]] * len(ops) if len(batch) != len(ops) else list(batch)
     # gloo: one by one, on the group itself (what dist.isend and dist.irecv end in)
     group, to = ch.data, ch.data_ranks
+    send, recv = group.send, group.recv
     return [
-        group.send([_real(t)], to[peer], 0)
-        if kind == "send"
-        else group.recv([_real(t)], to[peer], 0)
+        (send if kind == "send" else recv)(
+            [torch.view_as_real(t) if t.is_complex() else t], to[peer], 0
+        )
         for kind, t, peer in ops
     ]
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """Complex tensors travel as their real view (as torch.distributed's isend does)."""
-    return torch.view_as_real(t) if t.is_complex() else t

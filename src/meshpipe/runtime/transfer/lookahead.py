@@ -46,6 +46,34 @@ def lookahead_budget() -> int:
     return int(text)
 
 
+# what a step posts ahead, and each peer's receives in program order: a function of the
+# program, the budget and the receives' sizes, so kept between steps where those repeat
+Plan = tuple[tuple[P2P, ...], dict[int, tuple[P2P, ...]]]
+
+
+def plan(groups: Iterable[tuple[P2P, ...]], nbytes: Callable[[P2P], int], budget: int) -> Plan:
+    """The receives to post ahead and every peer's receives, in posting order; ``groups``:
+    the program's, in posting order; ``nbytes(op)``: a receive's buffer bytes (0 where the
+    value comes whole on ctrl)."""
+    left = budget
+    stopped: set[int] = set()  # peers whose prefix ended: their later receives wait
+    ahead: list[P2P] = []
+    queues: dict[int, list[P2P]] = {}
+    for group in groups:
+        for op in group:
+            if op.op != "recv":
+                continue
+            queues.setdefault(op.peer, []).append(op)
+            if budget and op.peer not in stopped:
+                size = nbytes(op)
+                if size <= left:
+                    left -= size
+                    ahead.append(op)
+                else:
+                    stopped.add(op.peer)
+    return tuple(ahead), {peer: tuple(ops) for peer, ops in queues.items()}
+
+
 class RecvAhead:
     """One step's receives, per peer, in program order (see the module docstring)."""
 
@@ -53,25 +81,20 @@ class RecvAhead:
         self.budget = budget
         self._queues: dict[int, deque[P2P]] = {}
         self._ahead: list[P2P] = []
+        self.waiting = False  # receives to post ahead with the next group
         self.posted_ahead = 0  # receives posted before their group, this step
 
     def load(self, groups: Iterable[tuple[P2P, ...]], nbytes: Callable[[P2P], int]) -> None:
         """The program's groups, in posting order; ``nbytes(op)``: a receive's buffer bytes
         (0 where the value comes whole on ctrl)."""
-        left = self.budget
-        stopped: set[int] = set()  # peers whose prefix ended: their later receives wait
-        for group in groups:
-            for op in group:
-                if op.op != "recv":
-                    continue
-                self._queues.setdefault(op.peer, deque()).append(op)
-                if self.budget and op.peer not in stopped:
-                    size = nbytes(op)
-                    if size <= left:
-                        left -= size
-                        self._ahead.append(op)
-                    else:
-                        stopped.add(op.peer)
+        self.use(plan(groups, nbytes, self.budget))
+
+    def use(self, planned: Plan) -> None:
+        """Start a step with a :func:`plan` (made for this budget)."""
+        ahead, queues = planned
+        self._ahead = list(ahead)
+        self.waiting = bool(ahead)
+        self._queues = {peer: deque(ops) for peer, ops in queues.items()}
 
     def due(self, op: P2P) -> bool:
         """Whether the receive ``op`` of the group being posted still has to be posted
@@ -85,7 +108,10 @@ class RecvAhead:
     def ahead(self) -> list[P2P]:
         """The receives to post ahead of their groups: all of them at the first call (with
         the step's first group), none after."""
+        if not self._ahead:
+            return []
         out, self._ahead = self._ahead, []
+        self.waiting = False
         for op in out:
             popped = self._queues[op.peer].popleft()
             if popped != op:

@@ -47,9 +47,9 @@ from meshpipe.runtime.mesh.layout import (
 )
 from meshpipe.runtime.transfer import wire
 from meshpipe.runtime.transfer.channels import Channels, Op
-from meshpipe.runtime.transfer.descs import Desc, DescCache
+from meshpipe.runtime.transfer.descs import DescCache
 from meshpipe.runtime.transfer.failing import notify, play_out_ops, remote_error, run_play_out
-from meshpipe.runtime.transfer.lookahead import RecvAhead, lookahead_budget
+from meshpipe.runtime.transfer.lookahead import RecvAhead, lookahead_budget, plan
 from meshpipe.runtime.transfer.reader import Reader
 from meshpipe.runtime.transfer.streams import Recv, Streams
 from meshpipe.runtime.transfer.transport import Transport
@@ -103,7 +103,8 @@ class Comm:
         self._outbox: dict[tuple[int, Transfer], Any] = {}
         self._recvs: dict[tuple[int, Transfer], Recv] = {}
         self._readers: dict[int, Reader] = {}
-        self._links: set[int] = set()  # peers exchanging end markers and failure notices
+        # peers exchanging end markers and failure notices
+        self._links: frozenset[int] = frozenset()
         self._ended: set[int] = set()  # links whose end markers were exchanged, this step
         self._markers: list[tuple[Any, int]] = []  # end markers sent, not yet waited for
         self._watchdog = watchdog  # set on CUDA: device waits are stream waits, bounded by it
@@ -143,36 +144,63 @@ class Comm:
         groups: Sequence[tuple[P2P, ...]],
         positions: Sequence[int],
         placement: Sequence[int],
+        memo: dict[str, Any] | None = None,
     ) -> None:
         """Start a step with this rank's program (groups of pp-rank operations and the
-        positions they precede), each operation expanded into the layout's pieces."""
+        positions they precede), each operation expanded into the layout's pieces.
+        ``memo``: a dict kept with that program (the same ``groups`` and ``positions``
+        objects), where what is derived from it alone is kept between steps."""
         self._placement = placement
-        self._program = {}
         uniform = not self.layout.stage_meshes  # process index == pp rank: groups as they are
-        for position, group in zip(positions, groups, strict=True):
-            mine = (
-                group
-                if uniform
-                else tuple(
-                    P2P(op.op, piece.dst if op.op == "send" else piece.src, op.transfer)
-                    for op in group
-                    for piece in self._pieces(op)
+        if uniform and memo is not None and "program" in memo:
+            self._program, ordered, self._links = memo["program"]
+        else:
+            self._program = {}
+            for position, group in zip(positions, groups, strict=True):
+                mine = (
+                    group
+                    if uniform
+                    else tuple(
+                        P2P(op.op, piece.dst if op.op == "send" else piece.src, op.transfer)
+                        for op in group
+                        for piece in self._pieces(op)
+                    )
                 )
-            )
-            if mine:
-                self._program.setdefault(position, []).append(mine)
-        groups = [g for p in sorted(self._program) for g in self._program[p]]
-        self._ahead.load(groups, self.streams.recv_bytes)
-        # the ctrl links of the step: every peer this process sends to or receives from, in
-        # both directions, so that a failure reaches every peer, also upstream of it in a
-        # forward-only step (which sends nothing back); in training the pairs are the same
-        self._links = {op.peer for g in groups for op in g}
+                if mine:
+                    self._program.setdefault(position, []).append(mine)
+            ordered = tuple(g for p in sorted(self._program) for g in self._program[p])
+            # the ctrl links of the step: every peer this process sends to or receives
+            # from, in both directions, so that a failure reaches every peer, also upstream
+            # of it in a forward-only step (which sends nothing back); in training the pairs
+            # are the same
+            self._links = frozenset(op.peer for g in ordered for op in g)
+            if uniform and memo is not None:  # (rows cut the pieces of stage meshes)
+                memo["program"] = (self._program, ordered, self._links)
+        self._plan_ahead(ordered, memo if uniform else None)
         for p in sorted(self._links):
             reader = self._all_readers.get(p)
             if reader is None:
                 reader = self._all_readers[p] = Reader(self.rank, p)
             reader.begin_epoch(self)
             self._readers[p] = reader
+
+    def _plan_ahead(self, ordered: tuple[tuple[P2P, ...], ...], memo: Any) -> None:
+        """Load the receives to post ahead: planned once per program, budget, microbatch
+        signatures and known descriptions (what the plan is a function of)."""
+        if memo is None:
+            self._ahead.load(ordered, self.streams.recv_bytes)
+            return
+        derived = self.streams.cache.derived
+        key = ("recv ahead", id(memo), self._ahead.budget, tuple(self.streams.signatures))
+        planned = derived.get(key)
+        if planned is None:
+            planned = plan(ordered, self.streams.recv_bytes, self._ahead.budget)
+            if len(derived) >= 64:
+                derived.clear()
+            derived[key] = (memo, planned)  # memo held: its id stays its own
+        else:
+            planned = planned[1]
+        self._ahead.use(planned)
 
     def finish(self, read_ends: bool = True) -> None:
         """End of step: sends done, end markers sent to every peer and (``read_ends``) the
@@ -262,15 +290,23 @@ class Comm:
         ops: list[Op] = []
         recvs: list[Recv] = []
         posted = []  # what is posted now: sends first, then receives in program order
+        streams, ahead = self.streams, self._ahead
+        receives = False
         for op in group:
             if op.op == "send":
-                self.streams.send(op, self._outbox.pop((op.peer, op.transfer)), ops)
+                streams.send(op, self._outbox.pop((op.peer, op.transfer)), ops)
                 posted.append(op)
-        ahead = self._ahead.ahead()  # with the step's first group only
-        due = [op for op in group if op.op == "recv" and self._ahead.due(op)]
-        for op in (*ahead, *due):
-            recvs.append(self.streams.recv(op, ops))
-            posted.append(op)
+            else:
+                receives = True
+        if ahead.waiting:  # the step's first group: the receives posted ahead
+            for op in ahead.ahead():
+                recvs.append(streams.recv(op, ops))
+                posted.append(op)
+        if receives:
+            for op in group:
+                if op.op == "recv" and ahead.due(op):
+                    recvs.append(streams.recv(op, ops))
+                    posted.append(op)
         if not posted:
             return
         works = self.io.issue(ops)
@@ -334,9 +370,13 @@ class Comm:
         r = self._recvs.pop((peer, transfer))
         deadline = time.monotonic() + self.timeout
         try:
-            if r.desc is None:
+            desc = r.desc
+            if desc is None:
                 return self._take_whole(r, deadline, doing)
-            return self._take_data(r, r.desc, deadline, doing)
+            for work in r.works:  # on CUDA a stream wait, bounded by the watchdog
+                self.io.wait(work, deadline, lambda: f"{doing}: receive", r.peer)
+            self._raise_remote_error()
+            return self.streams.data_value(r, desc)
         except CommTimeoutError as e:
             self._raise_remote_error()
             raise CommTimeoutError(
@@ -348,12 +388,6 @@ class Comm:
                 mb=transfer.mb,
                 peer=r.peer,
             ) from e
-
-    def _take_data(self, r: Recv, desc: Desc, deadline: float, doing: object) -> Any:
-        for work in r.works:  # on CUDA a stream wait, bounded by the watchdog
-            self.io.wait(work, deadline, lambda: f"{doing}: receive", r.peer)
-        self._raise_remote_error()
-        return self.streams.data_value(r, desc)
 
     def _take_whole(self, r: Recv, deadline: float, doing: object) -> Any:
         reader = self._readers[r.peer]
@@ -375,9 +409,10 @@ class Comm:
 
     def _raise_remote_error(self) -> None:
         for reader in self._readers.values():
-            err = reader.poll_error()
-            if err is not None:
-                raise err
+            if reader.error_queued:  # (poll_error's own test, without the call)
+                err = reader.poll_error()
+                if err is not None:
+                    raise err
         if self._watchdog is not None:
             self._watchdog.check()
 

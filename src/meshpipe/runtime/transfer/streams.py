@@ -53,7 +53,7 @@ class Streams:
         io: Transport,
     ) -> None:
         self.cache = cache
-        self.signatures = [cache.intern(sig) for sig in signatures]
+        self.signatures = cache.intern_all(signatures)
         self.device = device
         self.io = io
         self.bytes_sent = 0
@@ -75,8 +75,7 @@ class Streams:
 
     def commit(self) -> None:
         """The step ended well: its new descriptions are known to both ends now."""
-        self.cache.send.update(self._new_send)
-        self.cache.recv.update(self._new_recv)
+        self.cache.add(self._new_send, self._new_recv)
 
     # -- sending --------------------------------------------------------------------------
     def send(self, op: P2P, value: Any, ops: list[Op]) -> None:

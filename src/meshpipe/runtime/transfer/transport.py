@@ -45,10 +45,22 @@ class Transport:
         if not ops:
             return []
         try:
-            return self._issue_ops(ops)
+            works = post_ops(self.ch, ops)
+            sends = self.sends
+            for w, (kind, t, peer) in zip(works, ops, strict=True):
+                if kind == "send":
+                    sends.append((w, [t], peer))
+            if len(sends) > self.peak_pending_sends:
+                self.peak_pending_sends = len(sends)
+            while len(sends) > _MAX_IN_FLIGHT:
+                # free sent buffers as the step goes, not at its end (the validator's model
+                # waits for every group before the next, so waiting for an old send is safe)
+                old, _tensors, peer = sends.pop(0)
+                self.wait(old, time.monotonic() + self.timeout, "send", peer)
         except RuntimeError as e:  # posting to a peer that is gone fails at once
             peers = sorted({p for _k, _t, p in ops})
             raise self.translated(e, "posting transfers", peers) from e
+        return works
 
     def translated(self, e: RuntimeError, what: str, peers: Sequence[int]) -> BaseException:
         names = " or ".join(
@@ -61,19 +73,6 @@ class Transport:
             peer=peers[0] if len(peers) == 1 else None,
             peer_name=names or None,
         )
-
-    def _issue_ops(self, ops: list[Op]) -> list[Any]:
-        works = post_ops(self.ch, ops)
-        for w, (kind, t, peer) in zip(works, ops, strict=True):
-            if kind == "send":
-                self.sends.append((w, [t], peer))
-        self.peak_pending_sends = max(self.peak_pending_sends, len(self.sends))
-        while len(self.sends) > _MAX_IN_FLIGHT:
-            # free sent buffers as the step goes, not at its end (the validator's model
-            # waits for every group before the next, so waiting for an old send is safe)
-            old, _tensors, peer = self.sends.pop(0)
-            self.wait(old, time.monotonic() + self.timeout, "send", peer)
-        return works
 
     def ctrl_send(self, peer: int, buf: torch.Tensor) -> Any:
         try:

@@ -1,0 +1,171 @@
+"""Host CPU per action: meshpipe against torch.distributed.pipelining, near-zero compute.
+
+    .venv/bin/python benchmarks/bench_action_cpu.py [--microbatches 32] [--rounds 12]
+        [--steps 10] [--profile DIR]
+
+Two CPU ranks (one thread each), 1f1b over two Linear(8, 8) stages, microbatches of one row
+(the per-microbatch overhead case of bench_runtime.py): the compute is near zero, so a step
+is the runtimes' own host work and gloo's latency. Wall time on a shared machine moves with
+the load; CPU time of the rank's main thread barely does, so this reports, per rank:
+
+- main-thread CPU microseconds per action (``time.thread_time`` around ``--steps`` steps,
+  divided by the actions of those steps; 1f1b has 2 actions per microbatch on each rank),
+- process CPU microseconds per action (``time.process_time``: gloo's threads and
+  meshpipe's ctrl readers too),
+- the wall ratio meshpipe / torch (medians of the rounds),
+
+for meshpipe, torch and the hand-written loop (benchmarks/hand_1f1b.py, no framework), the
+three alternated round by round. ``--profile DIR`` also writes a cProfile (main-thread CPU
+clock) of each runtime's steps per rank, ``DIR/{runtime}-rank{r}.prof``, and prints the top
+functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_runtime import build_torch  # noqa: E402
+from common import median, mse  # noqa: E402
+from hand_1f1b import hand_1f1b  # noqa: E402
+
+import meshpipe  # noqa: E402
+from meshpipe.testing import run_on_ranks  # noqa: E402
+
+RUNTIMES = ("meshpipe", "torch", "hand-written loop")
+
+
+def _runners(num: int) -> tuple[dict[str, Callable[[], Any]], Callable[[], None], int]:
+    """The three runtimes' step functions on this rank, a gradient reset, and the number of
+    actions this rank runs per step."""
+    mesh = meshpipe.init_mesh(pp=2)
+    rank = mesh.get_local_rank("pp")
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [nn.Linear(8, 8) for _ in range(2)]
+    torch_mods = copy.deepcopy(stages)
+    hand_module = copy.deepcopy(stages[rank])
+    pipe = meshpipe.Pipeline(stages, mesh, schedule="1f1b", num_microbatches=num, loss_fn=mse)
+    _, torch_local, torch_step = build_torch(
+        "1f1b", "Schedule1F1B", torch_mods, mesh.get_group("pp"), rank, num
+    )
+    hand = hand_1f1b(hand_module, rank, num, mse, mesh.get_group("pp"), 8)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(num, 8, generator=g), torch.randn(num, 8, generator=g)
+
+    def zero() -> None:
+        pipe.zero_grad()
+        for m in [*torch_local, hand_module]:
+            m.zero_grad(set_to_none=True)
+
+    runners: dict[str, Callable[[], Any]] = {
+        "meshpipe": lambda: pipe.step(x, target=y),
+        "torch": lambda: torch_step(x, y),
+        "hand-written loop": lambda: hand(x, y),
+    }
+    return runners, zero, len(pipe.schedule.actions[rank])
+
+
+def ranks(num: int, rounds: int, steps: int, profile: str | None) -> dict[str, Any]:
+    """Rank body: warm up, then ``rounds`` rounds of ``steps`` steps of each runtime, the
+    order rotated every round."""
+    runners, zero, actions = _runners(num)
+    rank = dist.get_rank()
+    for _ in range(3):
+        for fn in runners.values():
+            zero()
+            fn()
+    got: dict[str, dict[str, list[float]]] = {
+        k: {"wall": [], "thread": [], "process": []} for k in runners
+    }
+    profs = {k: cProfile.Profile(time.thread_time) for k in runners} if profile else {}
+    keys = list(runners)
+    for r in range(rounds):
+        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            fn, prof = runners[k], profs.get(k)
+            wall = thread = proc = 0.0
+            for _ in range(steps):
+                zero()
+                dist.barrier()
+                w, t, p = time.perf_counter(), time.thread_time(), time.process_time()
+                if prof is not None:
+                    prof.enable()
+                fn()
+                if prof is not None:
+                    prof.disable()
+                wall += time.perf_counter() - w
+                thread += time.thread_time() - t
+                proc += time.process_time() - p
+            got[k]["wall"].append(wall / steps)
+            got[k]["thread"].append(thread / steps / actions * 1e6)
+            got[k]["process"].append(proc / steps / actions * 1e6)
+    out: dict[str, Any] = {"actions": actions, "times": got, "profiles": {}}
+    for k, prof in profs.items():
+        name = k.replace(" ", "-").replace("-written-loop", "")
+        prof.dump_stats(os.path.join(profile or ".", f"{name}-rank{rank}.prof"))
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        calls = stats.total_calls / (rounds * steps * actions)  # type: ignore[attr-defined]
+        text.write(f"Python function calls per action: {calls:.1f}\n")
+        stats.sort_stats("tottime").print_stats(25)
+        out["profiles"][k] = text.getvalue()
+    return out
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(results):
+        t = res["times"]
+        torch_wall = median(t["torch"]["wall"])
+        torch_cpu = median(t["torch"]["thread"])
+        print(f"rank {rank}: {res['actions']} actions per step")
+        torch_min = min(t["torch"]["thread"])
+        for k in RUNTIMES:
+            wall, cpu, proc = (median(t[k][f]) for f in ("wall", "thread", "process"))
+            least = min(t[k]["thread"])
+            print(
+                f"  {k:18s} main-thread CPU {cpu:6.1f} us/action ({cpu / torch_cpu:.3f}x torch; "
+                f"least {least:5.1f}, {least / torch_min:.3f}x)  process CPU {proc:6.1f} "
+                f"us/action  step {wall * 1e3:6.2f} ms wall ({wall / torch_wall:.3f}x torch)"
+            )
+        for f, what in (("thread", "main-thread CPU"), ("wall", "wall")):
+            ratios = [a / b for a, b in zip(t["meshpipe"][f], t["torch"][f], strict=True)]
+            print(
+                f"  meshpipe/torch {what}, per round: {', '.join(f'{v:.2f}' for v in ratios)}"
+                f" (median {median(ratios):.3f})"
+            )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10, help="steps per runtime and round")
+    ap.add_argument("--profile", metavar="DIR", help="write and print cProfile stats per rank")
+    args = ap.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    results = run_on_ranks(
+        ranks, 2, args.microbatches, args.rounds, args.steps, args.profile, timeout=1200
+    )
+    report(results)
+    for rank, res in enumerate(results):
+        for k, text in res["profiles"].items():
+            print(f"\n--- rank {rank} {k}: main-thread CPU, top functions by own time")
+            print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
