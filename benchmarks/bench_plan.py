@@ -32,6 +32,7 @@ from meshpipe.plan import Plan, Profile, profile_model
 from meshpipe.plan.calibrate import calibrated_profile
 from meshpipe.plan.candidate import Layout, Settings, judge
 from meshpipe.plan.measured import measure
+from meshpipe.plan.together import profile_together
 from meshpipe.testing import run_on_ranks
 
 
@@ -221,7 +222,7 @@ def _replan(case: str, first: dict[str, Any], prof: dict[str, Any], cap: int | N
 
 def run_case(
     case: str, world: int, steps: int, cap_share: float | None, calibrate: bool = False,
-    **machine: Any,
+    together: bool = False, **machine: Any,
 ) -> dict[str, Any]:  # fmt: skip
     torch.set_num_threads(1)  # the profile runs as each rank will: one thread
     model, args, target, loss_fn = model_case(case)
@@ -230,7 +231,10 @@ def run_case(
         static = sum(4 * 4 * p.numel() for p in model.parameters())  # params, grads, AdamW
         cap = int(static * cap_share)
     t0 = time.perf_counter()
-    prof = profile_model(model, args, target=target, loss_fn=loss_fn)
+    if together and world > 1:  # every rank profiles at once (meshpipe.plan.together)
+        prof = profile_together(model, args, {}, target, loss_fn, 3, world)
+    else:
+        prof = profile_model(model, args, target=target, loss_fn=loss_fn)
     plan = meshpipe.plan(
         model, args, target, loss_fn, world_size=world, memory_per_rank=cap, profile=prof,
         **machine,
@@ -315,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--overhead", type=float, default=None, help="the planner's seconds per action")
     ap.add_argument(
+        "--together", action="store_true",
+        help="profile in every process at once (wall time) instead of one process (CPU time)",
+    )  # fmt: skip
+    ap.add_argument(
         "--calibrate", action="store_true",
         help="run the plan 3 steps, plan again from the measured times, measure that plan",
     )  # fmt: skip
@@ -330,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.overhead is not None:
             machine["overhead"] = args.overhead
-        s = run_case(case, args.world, args.steps, share, args.calibrate, **machine)
+        s = run_case(
+            case, args.world, args.steps, share, args.calibrate, args.together, **machine
+        )
         out.append(s)
         print(f"\n## {case}, {args.world} ranks" + (f", cap {s['cap']} B" if s["cap"] else ""))
         print("| config | measured ms | predicted ms | peak bytes |")

@@ -122,3 +122,29 @@ def test_the_first_stage_has_no_input_gradient_to_compute() -> None:
     (f0, b0, w0), (f1, b1, w1) = plan.stage_costs
     assert (b0 - w0, w0) == (0.0, pytest.approx(4e-3))  # I empty, W = 2 pieces x (i + w)
     assert (b1 - w1, w1) == (pytest.approx(2e-3), pytest.approx(2e-3))
+
+
+@pytest.mark.timeout(300)
+def test_a_profile_taken_in_every_process_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshpipe.plan.together import profile_together
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    loss_fn = nn.functional.mse_loss
+    alone = profile_model(model, (x,), target=y, loss_fn=loss_fn, repeats=2)
+    both = profile_together(model, (x,), {}, y, loss_fn, 2, 2)
+    assert both.notes["together"] == 2 and "together" not in alone.notes
+    assert [p.name for p in both.pieces] == [p.name for p in alone.pieces]
+    assert [p.param_bytes for p in both.pieces] == [p.param_bytes for p in alone.pieces]
+    assert all(p.f.at(8) > 0 for p in both.pieces)
+    # the plan takes its sharing as measured: no slowdown on top
+    import meshpipe.plan.link as link_mod
+    import meshpipe.plan.machine as machine_mod
+
+    cost = MachineCost(2, 3.0, 1e-4, 1e-3, 1e9, ((2, 0.01), (4, 0.02), (8, 0.03)), 0.5)
+    monkeypatch.setattr(link_mod, "measure_link", lambda device="cpu": link_mod.LinkCost(1e-5, 1e9))
+    monkeypatch.setattr(machine_mod, "measure_machine", lambda *a, **k: cost)
+    shared = meshpipe.plan(model, world_size=2, profile=both, measure_machine=True)
+    single = meshpipe.plan(model, world_size=2, profile=alone, measure_machine=True)
+    assert (shared.assumptions["slowdown"], single.assumptions["slowdown"]) == (1.0, 3.0)

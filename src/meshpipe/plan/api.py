@@ -86,7 +86,9 @@ def plan(
     action and ``step_overhead`` per step, ``dp_bandwidth`` as DDP's reduction overlapped
     with a backward costs it, and ``tp_efficiency`` from a tensor-parallel MLP block. The
     arguments of the same names are the figures used otherwise (documented defaults;
-    ``slowdown`` multiplies the profile's times).
+    ``slowdown`` multiplies the profile's times; it is 1 for a ``profile=`` taken in every
+    process at once, ``meshpipe.plan.together.profile_together``, whose times hold the
+    sharing already).
     """
     _check_int("world_size", world_size)
     _check_int("max_microbatches", max_microbatches)
@@ -101,9 +103,8 @@ def plan(
         )
     if profile is None:
         args = tuple(example_args) if isinstance(example_args, list | tuple) else (example_args,)
-        profile = profile_model(
-            model, args, dict(example_kwargs or {}), target, loss_fn, repeats=repeats
-        )
+        kwargs = dict(example_kwargs or {})
+        profile = profile_model(model, args, kwargs, target, loss_fn, repeats=repeats)
     elif not isinstance(profile, Profile):
         raise PlanError(f"profile must be a meshpipe.plan.Profile, got {type(profile).__name__}")
     if measure_p2p or measure_machine:
@@ -120,7 +121,9 @@ def plan(
         device = "cuda" if profile.device.startswith("cuda") else "cpu"
         machine = measure_on(world_size, device, p2p_latency=p2p_latency)
         overhead, step_overhead = machine.overhead, machine.step_overhead
-        slowdown, dp_bandwidth = machine.slowdown, machine.dp_bandwidth
+        # a profile taken in every process at once has the sharing in its times already
+        slowdown = 1.0 if profile.notes.get("together") else machine.slowdown
+        dp_bandwidth = machine.dp_bandwidth
         tp_efficiency = machine.tp_efficiency
     settings = Settings(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,

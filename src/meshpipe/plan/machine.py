@@ -16,11 +16,12 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
 - **step_overhead**: what the same steps at 1, 2 and 4 microbatches per rank take beyond
   the simulated ``makespan(f + overhead, b + overhead, p2p latency)``, the median (the
   call check, the closing exchange, waits the simulator does not see).
-- **dp_bandwidth**: the gradient reduction as DDP does it, overlapped with a backward: a
-  model of ``REDUCE_BYTES`` of gradients (``REDUCE_ROWS`` rows: the reduction overlaps a
-  real backward and competes with it for the cores), its forward and backward timed plain and under
-  DDP over every process; ``2 (n-1)/n x bytes`` over the difference. On a CPU the
-  reduction takes cores from the backward, which an all-reduce timed alone does not show.
+- **dp_bandwidth**: the gradient reduction as the runtime runs it for a data-parallel
+  plan: ``meshpipe.Pipeline`` steps of a model with ``REDUCE_BYTES`` of gradients
+  (``REDUCE_ROWS`` rows) over every process as dp replicas (``dp="ddp"``), inside
+  ``no_sync()`` and outside; ``2 (n-1)/n x bytes`` over the difference. On a CPU the
+  reduction takes cores from the work around it, which an all-reduce timed alone does not
+  show.
 
 - **tp_efficiency**: an MLP block (``TP_WIDTH`` wide, 4x inside, ``TP_ROWS`` rows) forward
   and backward alone in one process, then tensor-parallel over every process (DTensor,
@@ -32,7 +33,6 @@ The link (latency, bandwidth) comes from ``meshpipe.plan.link.measure_link``.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import statistics
@@ -179,28 +179,36 @@ def _cpu_time(fn: Any, repeats: int) -> float:
 
 
 def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
-    """(plain, DDP) seconds of a forward and backward with ``REDUCE_BYTES`` of gradients."""
+    """(without, with) the reduction: seconds of a ``meshpipe.Pipeline`` step over every
+    process as dp replicas (``dp="ddp"``) of a model with ``REDUCE_BYTES`` of gradients,
+    inside ``no_sync()`` (no reduction) and outside (the runtime's own reduction, as a
+    data-parallel plan runs it)."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import meshpipe
 
     width = 512
     layers = max(1, REDUCE_BYTES // (4 * width * width))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
-    model = model.to(device)
+    mesh = meshpipe.init_mesh(pp=1, dp=dist.get_world_size())
+    pipe = meshpipe.Pipeline(
+        model.to(device), mesh, "1f1b", 1, loss_fn=lambda out: out.square().mean(), dp="ddp"
+    )
     x = torch.randn(REDUCE_ROWS, width, device=device)
-    ddp = DDP(copy.deepcopy(model))
 
-    def run(m: nn.Module) -> Any:
-        def once() -> None:
-            m(x).square().mean().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+    def step() -> None:
+        pipe.step(x)
+        pipe.zero_grad(set_to_none=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
-        return once
+    def local() -> None:
+        with pipe.no_sync():
+            step()
 
-    plain = _typical_time(run(model), repeats, dist.barrier)
-    reduced = _typical_time(run(ddp), repeats, dist.barrier)
+    plain = _typical_time(local, repeats, dist.barrier)
+    reduced = _typical_time(step, repeats, dist.barrier)
     return plain, reduced
 
 

@@ -107,15 +107,15 @@ class _Clock:
     the plan's ``slowdown`` accounts for processes sharing cores); on CUDA wall seconds
     between device synchronisations."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, wall: bool = False) -> None:
         self.cuda = device.type == "cuda"
+        self.wall = wall or self.cuda
         self.device = device
 
     def now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            return time.perf_counter()
-        return time.process_time()
+        return time.perf_counter() if self.wall else time.process_time()
 
 
 _CLOCK = _Clock(torch.device("cpu"))
@@ -210,9 +210,12 @@ def profile_model(
     target: Any = None,
     loss_fn: Callable[..., Any] | None = None,
     repeats: int = 3,
+    wall_clock: bool = False,
 ) -> Profile:
     """Measure every piece of ``model`` on the example batch (rows on dim 0) and on its
-    half, quarter, ... down to one row; PlanError when the inputs have no batch dim."""
+    half, quarter, ... down to one row; PlanError when the inputs have no batch dim.
+    ``wall_clock=True`` times CPU pieces in wall seconds (what processes sharing the
+    machine feel: ``meshpipe.plan.together``) instead of CPU seconds."""
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     leaves = [t for t in _tensors((args, kwargs)) if t.dim() > 0]
     if not leaves:
@@ -223,7 +226,7 @@ def profile_model(
     params = {p.untyped_storage().data_ptr() for p in every}
     runs: dict[int, list[dict[str, float]]] = {}
     first = next(iter(model.parameters()), None)
-    clock = _Clock(first.device if first is not None else torch.device("cpu"))
+    clock = _Clock(first.device if first is not None else torch.device("cpu"), wall_clock)
     harness = _harness(max(repeats, 5), clock)
     was_training = model.training
     model.train()
