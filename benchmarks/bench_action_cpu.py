@@ -23,7 +23,6 @@ functions by own time.
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import io
 import os
@@ -33,14 +32,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_runtime import build_torch  # noqa: E402
-from common import median, mse  # noqa: E402
-from hand_1f1b import hand_1f1b  # noqa: E402
+from bench_runtime import overhead_runners  # noqa: E402
+from common import median  # noqa: E402
 
 import meshpipe  # noqa: E402
 from meshpipe.testing import run_on_ranks  # noqa: E402
@@ -52,30 +48,8 @@ def _runners(num: int) -> tuple[dict[str, Callable[[], Any]], Callable[[], None]
     """The three runtimes' step functions on this rank, a gradient reset, and the number of
     actions this rank runs per step."""
     mesh = meshpipe.init_mesh(pp=2)
-    rank = mesh.get_local_rank("pp")
-    torch.manual_seed(0)
-    stages: list[nn.Module] = [nn.Linear(8, 8) for _ in range(2)]
-    torch_mods = copy.deepcopy(stages)
-    hand_module = copy.deepcopy(stages[rank])
-    pipe = meshpipe.Pipeline(stages, mesh, schedule="1f1b", num_microbatches=num, loss_fn=mse)
-    _, torch_local, torch_step = build_torch(
-        "1f1b", "Schedule1F1B", torch_mods, mesh.get_group("pp"), rank, num
-    )
-    hand = hand_1f1b(hand_module, rank, num, mse, mesh.get_group("pp"), 8)
-    g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(num, 8, generator=g), torch.randn(num, 8, generator=g)
-
-    def zero() -> None:
-        pipe.zero_grad()
-        for m in [*torch_local, hand_module]:
-            m.zero_grad(set_to_none=True)
-
-    runners: dict[str, Callable[[], Any]] = {
-        "meshpipe": lambda: pipe.step(x, target=y),
-        "torch": lambda: torch_step(x, y),
-        "hand-written loop": lambda: hand(x, y),
-    }
-    return runners, zero, len(pipe.schedule.actions[rank])
+    runners, zero, pipe = overhead_runners(mesh, num)
+    return runners, zero, len(pipe.schedule.actions[mesh.get_local_rank("pp")])
 
 
 def ranks(num: int, rounds: int, steps: int, profile: str | None) -> dict[str, Any]:

@@ -230,12 +230,15 @@ def setup_case(
     return case
 
 
-def overhead_one(cfg: BenchConfig, mesh: Any) -> dict[str, Any]:
-    """Near-zero compute: Linear(8, 8) stages, 1f1b, many microbatches of one row."""
+def overhead_runners(
+    mesh: Any, num: int
+) -> tuple[dict[str, Callable[[], Any]], Callable[[], None], meshpipe.Pipeline]:
+    """The near-zero-compute case on this rank (Linear(8, 8) stages, 1f1b, ``num``
+    microbatches of one row): meshpipe's, torch's and the hand-written loop's step
+    functions, a gradient reset, and meshpipe's pipeline."""
     rank = mesh.get_local_rank("pp")
-    num = cfg.overhead_microbatches
     torch.manual_seed(0)
-    stages: list[nn.Module] = [nn.Linear(8, 8) for _ in range(WORLD)]
+    stages: list[nn.Module] = [nn.Linear(8, 8) for _ in range(mesh.size(0))]
     torch_mods = copy.deepcopy(stages)
     pipe = meshpipe.Pipeline(stages, mesh, schedule="1f1b", num_microbatches=num, loss_fn=mse)
     _, torch_local, torch_step = build_torch(
@@ -243,24 +246,27 @@ def overhead_one(cfg: BenchConfig, mesh: Any) -> dict[str, Any]:
     )
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(num, 8, generator=g), torch.randn(num, 8, generator=g)
+    hand_module = copy.deepcopy(stages[rank])  # the floor: no framework (hand_1f1b.py)
+    hand = hand_1f1b(hand_module, rank, num, mse, mesh.get_group("pp"), 8)
 
     def zero() -> None:
         pipe.zero_grad()
         for m in [*torch_local, hand_module]:
             m.zero_grad(set_to_none=True)
 
-    hand_module = copy.deepcopy(stages[rank])  # the floor: no framework (hand_1f1b.py)
-    hand = hand_1f1b(hand_module, rank, num, mse, mesh.get_group("pp"), 8)
-    times = run_rounds(
-        {
-            "meshpipe": lambda: pipe.step(x, target=y),
-            "torch": lambda: torch_step(x, y),
-            "hand-written loop": lambda: hand(x, y),
-        },
-        zero,
-        cfg.overhead_warmup,
-        cfg.overhead_reps,
-    )
+    runners: dict[str, Callable[[], Any]] = {
+        "meshpipe": lambda: pipe.step(x, target=y),
+        "torch": lambda: torch_step(x, y),
+        "hand-written loop": lambda: hand(x, y),
+    }
+    return runners, zero, pipe
+
+
+def overhead_one(cfg: BenchConfig, mesh: Any) -> dict[str, Any]:
+    """Near-zero compute: Linear(8, 8) stages, 1f1b, many microbatches of one row."""
+    rank = mesh.get_local_rank("pp")
+    runners, zero, pipe = overhead_runners(mesh, cfg.overhead_microbatches)
+    times = run_rounds(runners, zero, cfg.overhead_warmup, cfg.overhead_reps)
     return {
         "times": times,
         "actions": len(pipe.schedule.actions[rank]),
