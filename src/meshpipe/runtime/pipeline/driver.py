@@ -47,6 +47,10 @@ __all__ = ["StepDriver"]
 log = logging.getLogger(__name__)
 
 
+_PROGRAMS_KEPT = 16  # schedules whose programs a driver keeps (steps may change them)
+_Program = tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]
+
+
 class StepDriver:
     """What a Pipeline keeps from one step to the next to run them: the pp channels, the
     descriptions both ends of each stream know, the ctrl readers, the call check, and what
@@ -66,7 +70,9 @@ class StepDriver:
         self.timeout = timeout
         self.spmd = spmd
         self.accumulate = accumulate
-        self.programs: dict[int, tuple[tuple[tuple[P2P, ...], ...], tuple[int, ...]]] = {}
+        # each schedule's program on this rank, by the schedule's id; the schedule is held
+        # with it (a freed schedule's id may be reused by another one), the last few only
+        self.programs: dict[int, tuple[Schedule, _Program]] = {}
         # what Comm derives from each program alone, kept with it (see Comm.begin)
         self.program_memos: dict[int, dict[str, Any]] = {}
         self.channels: Channels = pp_channels(topo)
@@ -118,10 +124,14 @@ class StepDriver:
     def _comm(self, schedule: Schedule, signatures: list[Any], rows: list[int]) -> Comm:
         topo = self.topology
         key = id(schedule)
-        program = self.programs.get(key)
-        if program is None:
-            program = self.programs[key] = program_positions(schedule, topo.pp_rank)
+        held = self.programs.get(key)
+        if held is None or held[0] is not schedule:
+            if len(self.programs) >= _PROGRAMS_KEPT and held is None:
+                oldest = next(iter(self.programs))
+                del self.programs[oldest], self.program_memos[oldest]
+            held = self.programs[key] = (schedule, program_positions(schedule, topo.pp_rank))
             self.program_memos[key] = {}
+        program = held[1]
         comm = Comm(
             self.channels, topo.layout.me, self.timeout, topo.device, self.descs, signatures,
             self.watchdog, self.readers, topo.layout, rows, topo.tp_mesh,
