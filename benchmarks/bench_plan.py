@@ -178,10 +178,7 @@ def _label(d: dict[str, Any]) -> str:
 def _predict(prof: Profile, plan: Plan, cfg: dict[str, Any]) -> float | None:
     """The planner's prediction for a grid configuration (same profile, same machine
     figures as the plan), or None when it cannot judge it."""
-    names = ("p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "tp_efficiency",
-             "slowdown", "step_overhead")  # fmt: skip
-    figures = {k: plan.assumptions[k] for k in names if k in plan.assumptions}
-    st = Settings(world_size=plan.world_size, **figures)
+    st = Settings(world_size=plan.world_size, **Settings.figures_of(plan.assumptions))
     index = {p: k for k, p in enumerate(prof.points)}
     if any(p not in index for p in cfg["split_points"]):
         return None
@@ -204,10 +201,7 @@ def _replan(case: str, first: dict[str, Any], prof: dict[str, Any], cap: int | N
     for _ in range(3):
         pipe.step(*mine[0], target=mine[1])
         pipe.zero_grad(set_to_none=False)
-    a = first["assumptions"]
-    names = ("p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "step_overhead",
-             "slowdown")  # fmt: skip
-    figures = {k: a[k] for k in names if k in a}
+    figures = Settings.figures_of(first["assumptions"])
     cal = measure(pipe)  # a collective: what meshpipe.plan(..., measured=pipe) does first
     if torch.distributed.get_rank() == 0:
         print(cal, flush=True)

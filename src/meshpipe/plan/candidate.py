@@ -10,7 +10,7 @@ action, and the runtime's fixed cost per step (``Settings.step_overhead``). No t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from meshpipe.errors import MeshpipeError
@@ -54,15 +54,20 @@ class Settings:
     step_overhead: float = 0.0  # seconds the runtime adds per step (call check, closing)
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "p2p_latency": self.p2p_latency,
-            "p2p_bandwidth": self.p2p_bandwidth,
-            "dp_bandwidth": self.dp_bandwidth,
-            "overhead": self.overhead,
-            "tp_efficiency": self.tp_efficiency,
-            "slowdown": self.slowdown,
-            "step_overhead": self.step_overhead,
-        }
+        """The machine figures (``FIGURES``), as a plan's ``assumptions`` records them."""
+        return {name: float(getattr(self, name)) for name in FIGURES}
+
+    @staticmethod
+    def figures_of(assumptions: Mapping[str, float]) -> dict[str, float]:
+        """The machine figures among a plan's ``assumptions`` (keyword arguments of
+        ``Settings`` and of ``meshpipe.plan`` alike)."""
+        return {name: float(assumptions[name]) for name in FIGURES if name in assumptions}
+
+
+FIGURES = (
+    "p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "tp_efficiency", "slowdown",
+    "step_overhead",
+)  # fmt: skip
 
 
 class _Sums:
