@@ -85,14 +85,20 @@ def _low(times: list[float]) -> float:
     return statistics.quantiles(times, n=4)[0] if len(times) >= 4 else min(times)
 
 
-def _typical_time(fn: Any, repeats: int, barrier: Any) -> float:
+def _typical_time(
+    fn: Any, repeats: int, barrier: Any = None, clock: Any = time.perf_counter
+) -> float:
+    """The first quartile of ``repeats`` runs of ``fn`` after a warm-up, each after
+    ``barrier`` (every process starts together), read on ``clock`` (wall seconds; or
+    ``time.process_time``: this process's CPU seconds, its threads' too, gloo's)."""
     times = []
-    for i in range(repeats + 1):  # one warm-up
-        barrier()
-        t0 = time.perf_counter()
+    for i in range(repeats + 1):
+        if barrier is not None:
+            barrier()
+        t0 = clock()
         fn()
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return _low(times)
 
 
@@ -142,7 +148,7 @@ def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
     x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
     f = _typical_time(lambda: alone(x), repeats, dist.barrier)
     fb = _typical_time(lambda: alone(x).sum().backward(), repeats, dist.barrier)
-    fb_cpu = _cpu_time(lambda: alone(x).sum().backward(), repeats)
+    fb_cpu = _typical_time(lambda: alone(x).sum().backward(), repeats, clock=time.process_time)
     points, host = [], []
     for per_rank in PROBE_MICROBATCHES:
         mb = per_rank * n
@@ -162,20 +168,9 @@ def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
                 torch.cuda.synchronize(device)
 
         points.append((mb, _typical_time(step, repeats, dist.barrier)))
-        cpu = _cpu_time(step, repeats)
+        cpu = _typical_time(step, repeats, clock=time.process_time)
         host.append(max(0.0, cpu - mb * fb_cpu) / (2 * mb))  # 1f1b: 2 actions per mb
     return {"f": f, "b": max(fb - f, 0.0), "steps": points, "host": host}
-
-
-def _cpu_time(fn: Any, repeats: int) -> float:
-    """This process's CPU seconds for ``fn`` (its threads' too: gloo's transfers), the
-    first quartile of ``repeats`` runs."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return _low(times)
 
 
 def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
