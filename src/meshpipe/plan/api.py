@@ -83,8 +83,8 @@ def plan(
     ``world_size`` local processes on the profile's device and measures, with the runtime
     itself, what a profile in one process does not see (``meshpipe.plan.machine``): the
     compute ``slowdown`` when every process runs at once, the runtime's ``overhead`` per
-    action and ``step_overhead`` per step, ``dp_bandwidth`` as DDP's reduction overlapped
-    with a backward costs it, and ``tp_efficiency`` from a tensor-parallel MLP block. The
+    action and ``step_overhead`` per step, ``dp_bandwidth`` as the runtime's own dp
+    reduction costs it, and ``tp_efficiency`` from a tensor-parallel MLP block. The
     arguments of the same names are the figures used otherwise (documented defaults;
     ``slowdown`` multiplies the profile's times; it is 1 for a ``profile=`` taken in every
     process at once, ``meshpipe.plan.together.profile_together``, whose times hold the

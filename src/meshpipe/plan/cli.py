@@ -51,7 +51,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--measure-machine", action="store_true",
         help="also measure, with WORLD_SIZE local processes running the runtime, the "
-        "compute slowdown, the overhead per action and per step, and DDP's reduction",
+        "compute slowdown, the overhead per action and per step, the dp reduction and tp",
     )  # fmt: skip
 
 
