@@ -29,7 +29,14 @@ def test_bad_arguments_are_refused() -> None:
 def test_measured_link_is_plausible_and_the_planner_uses_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    link = measure_link(sizes=(8, 1 << 20, 4 << 20), repeats=5)
+    # a median of a few bounces can land on a scheduling spike on a loaded 2-core host (8 B
+    # measured 2.5 ms against 1.9 for 4 MiB in one CI run): up to three measurements for
+    # the size order, every one of them checked for the ranges
+    for _ in range(3):
+        link = measure_link(sizes=(8, 1 << 20, 4 << 20), repeats=9)
+        assert 1e-7 < link.latency < 0.05, link
+        if link.points[-1][1] > link.points[0][1]:
+            break
     assert isinstance(link, LinkCost)
     # two processes on one machine over loopback gloo: microseconds to milliseconds, and
     # tens of MB/s to tens of GB/s
