@@ -61,31 +61,94 @@ def _torch_step(name: str, compiled: bool, rank: int) -> Any:
     return step, [mods[s] for s in local]
 
 
-def _bubble(pipe: meshpipe.Pipeline) -> dict[str, float]:
-    """This rank's last step: its idle share as before (1 - time inside actions / span),
-    its waiting share (time an action waited for its inputs / span: the time between
-    actions is the runtime's own work, not idle), and the simulator's bubble for the
-    measured median F, I and W, without and with that work per action (the median gap
-    between one action's end and the next's start)."""
-    records = sorted(pipe.timeline(), key=lambda r: r.start)
-    start = records[0].start
-    span = max(r.end for r in records) - start
-    busy = sum(r.end - r.ready for r in records)
-    waits = sum(r.ready - r.start for r in records)
-    gaps = [b.start - a.end for a, b in zip(records, records[1:])]
+Record = tuple[str, int, int, float, float, float]  # op, stage, mb, start, ready, end
+
+
+def _records(pipe: meshpipe.Pipeline) -> list[list[Record]]:
+    """Every rank's action records of the last step (perf_counter reads CLOCK_MONOTONIC,
+    one clock for every process of this machine, so the ranks' times compare)."""
+    mine = [
+        (r.action.op.name, r.action.stage, r.action.mb, r.start, r.ready, r.end)
+        for r in pipe.timeline()
+    ]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _source(op: str, stage: int, num_stages: int) -> tuple[str, int] | None:
+    """Which action's output an action receives: F the previous stage's F, I and B the next
+    stage's I or B (the last stage's backward starts from its own loss); W receives none."""
+    if op == "F" and stage > 0:
+        return "F", stage - 1
+    if op in ("I", "B") and stage < num_stages - 1:
+        return "IB", stage + 1
+    return None
+
+
+def _bubble(pipe: meshpipe.Pipeline) -> dict[str, Any]:
+    """The last step's bubble per rank, measured and simulated.
+
+    Measured: the idle share of the step's common span (first action's start to last
+    action's end over both ranks), ``1 - time inside actions / span``, and the waiting share
+    (time actions waited for their inputs / span). Simulated for the measured median F, I
+    and W of each stage: with no transfer time (``sim``), with the runtime's median gap
+    between actions added to each (``sim_oh``), and with that gap and the measured transfer
+    time (``sim_p2p``): the median, over the actions that started waiting for an input from the
+    other rank before the sending action ended, of the input's arrival (the action's
+    ``ready``) less that end."""
+    every = _records(pipe)
+    sched = pipe.schedule
+    n = sched.num_stages
+    ends = {
+        (op if op == "F" else "IB", s, mb): e
+        for row in every
+        for op, s, mb, _, _, e in row
+        if op != "W"
+    }
+    start = min(r[3] for row in every for r in row)
+    span = max(r[5] for row in every for r in row) - start
+    kinds: dict[tuple[str, int], list[float]] = {}
+    gaps: list[float] = []
+    latencies: list[float] = []
+    for row in every:
+        ordered = sorted(row, key=lambda r: r[3])
+        gaps += [b[3] - a[5] for a, b in zip(ordered, ordered[1:])]
+        for op, s, mb, t0, ready, t1 in ordered:
+            kinds.setdefault((op, s), []).append(t1 - ready)
+            src = _source(op, s, n)
+            if src is None or sched.placement[src[1]] == sched.placement[s]:
+                continue
+            sent = ends[(src[0], src[1], mb)]
+            if t0 < sent:  # it waited from before the send: its input arrived at ``ready``
+                latencies.append(ready - sent)
+    med = {k: statistics.median(v) for k, v in kinds.items()}
+    f = tuple(med.get(("F", s), 0.0) for s in range(n))
+    i = tuple(med.get(("I", s), med.get(("B", s), 0.0)) for s in range(n))
+    w = tuple(med.get(("W", s), 0.0) for s in range(n))
     oh = statistics.median(gaps) if gaps else 0.0
-    kinds: dict[str, list[float]] = {}
-    for r in records:
-        kinds.setdefault(r.action.op.name, []).append(r.end - r.ready)
-    mean = {k: statistics.median(v) for k, v in kinds.items()}
-    f, i, w = mean.get("F", 0.0), mean.get("I", 0.0), mean.get("W", 0.0)
-    plain = meshpipe.simulate(pipe.schedule, meshpipe.Cost(f=f, b=i + w, w=w))
-    cost = meshpipe.Cost(f=f + oh, b=i + w + 2 * oh, w=w + oh)
-    with_oh = meshpipe.simulate(pipe.schedule, cost)
+    p2p = max(0.0, statistics.median(latencies)) if latencies else 0.0
+
+    def per_rank(cost: meshpipe.Cost) -> list[float]:
+        t = meshpipe.simulate(sched, cost)
+        return [1.0 - b / t.makespan for b in t.busy]
+
+    with_oh = dict(
+        f=tuple(x + oh for x in f),
+        b=tuple(a + b + 2 * oh for a, b in zip(i, w)),
+        w=tuple(x + oh for x in w),
+    )
+    busy = [sum(r[5] - r[4] for r in row) for row in every]
+    waits = [sum(r[4] - r[3] for r in row) for row in every]
     return {
-        "idle": 1.0 - busy / span, "waiting": waits / span, "gap_ms": oh * 1e3,
-        "sim": float(plain.bubble_fraction), "sim_oh": float(with_oh.bubble_fraction),
-    }  # fmt: skip
+        "idle": [1.0 - b / span for b in busy],
+        "waiting": [x / span for x in waits],
+        "gap_ms": oh * 1e3,
+        "p2p_ms": p2p * 1e3,
+        "sim": per_rank(meshpipe.Cost(f=f, b=tuple(a + b for a, b in zip(i, w)), w=w)),
+        "sim_oh": per_rank(meshpipe.Cost(**with_oh)),
+        "sim_p2p": per_rank(meshpipe.Cost(**with_oh, p2p=p2p)),
+    }
 
 
 def _ranks(reps: int) -> dict[str, Any]:
@@ -138,7 +201,11 @@ def _ranks(reps: int) -> dict[str, Any]:
             for _ in range(5):  # the median of 5 steps' figures
                 pipes["compiled"].step(x, target=y)
                 got.append(_bubble(pipes["compiled"]))
-            out["zbv bubble"] = {k: statistics.median(g[k] for g in got) for k in got[0]}
+            out["zbv bubble"] = {
+                k: [statistics.median(g[k][r] for g in got) for r in range(2)]
+                if isinstance(got[0][k], list) else statistics.median(g[k] for g in got)
+                for k in got[0]
+            }  # fmt: skip
     return out
 
 
@@ -159,12 +226,15 @@ def main() -> int:
             f"{name}: meshpipe/torch eager {t['meshpipe eager'] / t['torch eager']:.2f}, "
             f"compiled {t['meshpipe compiled'] / t['torch compiled']:.2f}"
         )
-    for rank, r in enumerate(results):
-        b = r["zbv bubble"]
+    b = res["zbv bubble"]
+    for rank in range(2):
         print(
-            f"rank {rank}: compiled zbv idle {b['idle']:.3f} (simulated {b['sim']:.3f}); "
-            f"waiting {b['waiting']:.3f} (simulated with the runtime's {b['gap_ms']:.2f} ms "
-            f"between actions: {b['sim_oh']:.3f}); medians of 5 steps"
+            f"rank {rank}: compiled zbv idle {b['idle'][rank]:.3f}, waiting "
+            f"{b['waiting'][rank]:.3f}; simulated {b['sim'][rank]:.3f} (no transfer time), "
+            f"{b['sim_oh'][rank]:.3f} (with the runtime's {b['gap_ms']:.2f} ms between "
+            f"actions), {b['sim_p2p'][rank]:.3f} (and the measured {b['p2p_ms']:.2f} ms per "
+            "transfer); idle minus the last: "
+            f"{100 * (b['idle'][rank] - b['sim_p2p'][rank]):+.1f} points; medians of 5 steps"
         )
     return 0
 
