@@ -20,7 +20,10 @@ CASES = {
     "stage_meshes": (5, [], r"step\s+(\d+)\s+loss ([\d.]+)", ["it loads into any layout"]),
     "plan": (2, [], r"step\s+(\d+)\s+loss ([\d.]+)", ["<- chosen", "measured/predicted"]),
     "split_llama": (
-        4, ["--steps", "5", "--tp", "2"], r"step (\d+)\s+loss ([\d.]+)", ["lm_head.weight"]
+        4,
+        ["--steps", "5", "--tp", "2"],
+        r"step (\d+)\s+loss ([\d.]+)",
+        ["lm_head.weight"],
     ),
 }
 
