@@ -86,3 +86,63 @@ def test_a_torch_function_mode_sees_the_call() -> None:
         bw.backward_full([out], [torch.ones_like(out)], [])
     assert "backward" in seen
     assert all(p.grad is not None for p in net.parameters())
+
+
+def _split(x: torch.Tensor, net: nn.Module) -> tuple[torch.Tensor | None, bw.WeightGrad]:
+    out = net(x)
+    (gx,), weight = bw.backward_input([out], [torch.full_like(out, 0.5)], [x])
+    return gx, weight
+
+
+def test_the_weight_half_calls_the_engine_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W runs one engine call per boundary node and one for the weights: straight into the
+    engine (no ``_make_grads``), with the gradients of the public backward, bit for bit."""
+    net = _net()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = net(x)
+    out.backward(torch.full_like(out, 0.5))
+    want = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    xs = x.detach().requires_grad_()
+    gx, weight = _split(xs, net)
+    assert all(p.grad is None for p in net.parameters())  # I leaves the weights alone
+    calls: list[int] = []
+    real = torch.autograd._make_grads
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "_make_grads", counted)
+    weight.run()
+    assert calls == []
+    assert len(want) == 4
+    for a, p in zip(want, net.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(a, p.grad)
+    assert gx is not None and x.grad is not None and torch.equal(gx, x.grad)
+
+
+def test_the_weight_half_of_a_subclass_parameter_goes_through_the_public_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A parameter of a tensor subclass (FSDP2's and DTensor's are) is an input the public
+    call must see (its ``__torch_function__``): W takes torch.autograd.grad for it."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    net = _net()
+    net[2].weight = nn.Parameter(net[2].weight.detach().as_subclass(Marked))
+    public: list[int] = []
+    real = torch.autograd.grad
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        public.append(1)
+        return real(*args, **kwargs)
+
+    x = torch.randn(5, 4, requires_grad=True)
+    _, weight = _split(x, net)
+    monkeypatch.setattr(torch.autograd, "grad", counted)
+    weight.run()
+    assert public  # the weights' call went through torch.autograd.grad
+    assert all(p.grad is not None for p in net.parameters())

@@ -28,6 +28,7 @@ __all__ = ["backward_full", "backward_input", "WeightGrad"]
 
 
 Root = torch.Tensor | GradientEdge
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types torch_function passes through
 
 
 def _edge(root: Root) -> GradientEdge | None:
@@ -76,22 +77,51 @@ def backward_full(
 
 def _engine_backward(roots: Sequence[Root], grads: Sequence[torch.Tensor]) -> bool:
     """``torch.autograd.backward(roots, grads)`` without its Python preamble, where the
-    preamble would pass every value through unchanged: plain tensors (no subclass, no
-    nested tensor), each gradient of its output's shape and complex-ness, no functorch
-    transform. Then it is the same call into the engine (``_engine_run_backward``: the same
-    hooks, the same accumulation into ``.grad``) without ``_make_grads``' checks, which cost
-    about as much as the engine on a small stage. False: not such a case, nothing run (the
-    caller runs torch.autograd.backward, which raises its own errors, and passes the call to
-    an active torch function mode)."""
+    preamble would pass every value through unchanged (see :func:`_engine_grad`). False:
+    not such a case, nothing run (the caller runs torch.autograd.backward, which raises its
+    own errors, and passes the call to an active torch function mode)."""
+    return _engine_call(roots, grads, (), retain=False, accumulate=True)[0]
+
+
+def _engine_grad(
+    roots: Sequence[Root], grads: Sequence[torch.Tensor], inputs: Sequence[Root], retain: bool
+) -> Sequence[torch.Tensor | None]:
+    """``torch.autograd.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)``,
+    straight into the engine where its preamble changes nothing (W calls the engine once
+    per boundary node: the preamble was a fifth of each call on small stages)."""
+    ran, got = _engine_call(roots, grads, inputs, retain=retain, accumulate=False)
+    if not ran:
+        return torch.autograd.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)
+    return got
+
+
+def _engine_call(
+    roots: Sequence[Root],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[Root],
+    retain: bool,
+    accumulate: bool,
+) -> tuple[bool, Sequence[torch.Tensor | None]]:
+    """The engine run that ``torch.autograd.backward`` (``accumulate``) or
+    ``torch.autograd.grad`` would make, made directly where their Python preamble would
+    pass every value through unchanged: plain tensors (no subclass, no nested tensor), each
+    gradient of its output's shape and complex-ness, no functorch transform, no torch
+    function mode. Then it is the same call into the engine (``_engine_run_backward``: the
+    same hooks, the same accumulation into ``.grad``) without ``_make_grads``' checks,
+    which cost about as much as the engine on a small stage. Returns whether it ran, and
+    the inputs' gradients (none without inputs); (False, ()): not such a case, nothing
+    run."""
     if _run_engine is None or torch._C._are_functorch_transforms_active():
-        return False
-    tensors = []
+        return False, ()
+    if any(type(x) not in _PLAIN and not isinstance(x, GradientEdge) for x in inputs):
+        return False, ()  # a tensor subclass (e.g. a DTensor parameter): the public call
+    tensors = [x for x in inputs if type(x) in _PLAIN]
     for root, g in zip(roots, grads, strict=True):
         if type(g) is not torch.Tensor:
-            return False
+            return False, ()
         if type(root) is torch.Tensor:
             if root.is_nested or root.shape != g.shape or root.is_complex() != g.is_complex():
-                return False
+                return False, ()
             tensors.append(root)
         elif isinstance(root, GradientEdge):
             meta = root.node._input_metadata[root.output_nr]
@@ -101,15 +131,16 @@ def _engine_backward(roots: Sequence[Root], grads: Sequence[torch.Tensor]) -> bo
                 or meta.dtype.is_complex != g.is_complex()
                 or tuple(meta.shape) != g.shape
             ):
-                return False
+                return False, ()
         else:
-            return False
+            return False, ()
     if tensors and torch._C._has_torch_function(tuple(tensors)):
-        return False  # a torch function mode is on: it sees the call (through the public one)
-    _run_engine(
-        tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
-    )
-    return True
+        return False, ()  # a torch function mode is on: it sees the call (through the public one)
+    got = _run_engine(
+        tuple(roots), tuple(grads), retain, False, tuple(inputs),
+        allow_unreachable=True, accumulate_grad=accumulate,
+    )  # fmt: skip
+    return True, () if got is None else got
 
 
 @dataclass
@@ -135,14 +166,14 @@ class WeightGrad:
         child_grads: list[torch.Tensor] = [g for _, g in self.direct]
         self.direct = []
         for into, captured, children in self.work:
-            got = torch.autograd.grad(into, children, captured, allow_unused=True)
+            got = _engine_grad(into, captured, children, retain=False)
             for e, g in zip(children, got):
                 if g is not None:
                     child_edges.append(e)
                     child_grads.append(g)
         self.work.clear()
         if child_edges:
-            pgrads = torch.autograd.grad(child_edges, self.params, child_grads, allow_unused=True)
+            pgrads = _engine_grad(child_edges, child_grads, self.params, retain=False)
             for p, g in zip(self.params, pgrads):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
