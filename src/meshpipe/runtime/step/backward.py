@@ -91,7 +91,8 @@ def _engine_grad(
     per boundary node: the preamble was a fifth of each call on small stages)."""
     ran, got = _engine_call(roots, grads, inputs, retain=retain, accumulate=False)
     if not ran:
-        return torch.autograd.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)
+        public: Any = torch.autograd.grad  # its hints take sequences of one kind only
+        return public(roots, inputs, grads, retain_graph=retain, allow_unused=True)  # type: ignore[no-any-return]
     return got
 
 
