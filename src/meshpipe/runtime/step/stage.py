@@ -42,8 +42,9 @@ class _Saved:
     pending: WeightGrad | None = None
     replay: Replay | None = None  # "full" by replay: runs the forward again (loss included)
     seed: torch.Tensor | None = None  # last stage: d(loss)/d(loss)
-    # "full" by replay where no stage input needs a gradient (the first stage): I has
-    # nothing to compute, so it keeps the received gradients and W replays and runs it all
+    # where no stage input needs a gradient (the first stage) I has nothing to compute: it
+    # keeps the received gradients, and W runs the whole backward (replaying first, with
+    # "full" checkpointing)
     later: list[torch.Tensor | None] | None = None
     layouts: list[Any] = field(default_factory=list)  # DTensor outputs: (mesh, placements)
 
@@ -255,9 +256,13 @@ class StageRunner:
         saved = self._saved[mb]
         split = split and not self.fused_backward
         gs = self._output_grads(saved, mb, grads)
-        if split and saved.replay is not None and not any(x.requires_grad for x in saved.inputs):
+        if split and not any(x.requires_grad for x in saved.inputs):
+            # no input gradient to make (the first stage): W runs the whole backward, in one
+            # engine call, where splitting it would walk the graph and call the engine once
+            # per weight's node (about twice the work on a stage of small operations); a
+            # checkpointed stage replays its forward there too, not now
             num_inputs = len(saved.inputs)
-            saved.later, saved.inputs = gs, []  # no input gradient: replay at W, not now
+            saved.later, saved.inputs = gs, []
             return [None] * num_inputs
         boxes = Boxes() if split and saved.replay is not None else None
         if saved.replay is not None:  # the forward again: I (or B) and W use this graph
@@ -299,11 +304,13 @@ class StageRunner:
         if self.fused_backward:  # I did the weights too
             return
         saved = self._saved.pop(mb)
-        if saved.later is not None and saved.replay is not None:  # I left it all to W
-            boxes = Boxes()  # cheap tensors made again, not held (runtime/step/slim.py)
+        if saved.later is not None:  # I left it all to W
             with self._loss_scope():
-                with boxes.saving(self.module):
-                    roots = saved.replay.run()
+                roots = saved.roots
+                if saved.replay is not None:
+                    boxes = Boxes()  # cheap tensors made again, not held (runtime/step/slim.py)
+                    with boxes.saving(self.module):
+                        roots = saved.replay.run()
                 backward_full(roots, saved.later, [])
             return
         if saved.pending is not None:
