@@ -95,8 +95,9 @@ def _split(x: torch.Tensor, net: nn.Module) -> tuple[torch.Tensor | None, bw.Wei
 
 
 def test_the_weight_half_calls_the_engine_directly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """W runs one engine call per boundary node and one for the weights: straight into the
-    engine (no ``_make_grads``), with the gradients of the public backward, bit for bit."""
+    """W runs one engine call per boundary node, straight into the engine (no
+    ``_make_grads``), accumulating into ``.grad`` as B does: the gradients of the public
+    backward, bit for bit, and the weights' post-accumulate hooks run in W."""
     net = _net()
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
     out = net(x)
@@ -113,9 +114,13 @@ def test_the_weight_half_calls_the_engine_directly(monkeypatch: pytest.MonkeyPat
         calls.append(1)
         return real(*args, **kwargs)
 
+    hooked: list[str] = []
+    for name, p in net.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=name: hooked.append(n))
     monkeypatch.setattr(torch.autograd, "_make_grads", counted)
     weight.run()
     assert calls == []
+    assert sorted(hooked) == sorted(n for n, _ in net.named_parameters())
     assert len(want) == 4
     for a, p in zip(want, net.parameters(), strict=True):
         assert p.grad is not None and torch.equal(a, p.grad)
@@ -126,23 +131,29 @@ def test_the_weight_half_of_a_subclass_parameter_goes_through_the_public_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A parameter of a tensor subclass (FSDP2's and DTensor's are) is an input the public
-    call must see (its ``__torch_function__``): W takes torch.autograd.grad for it."""
+    call must see (its ``__torch_function__``): W takes torch.autograd.backward for it, and
+    the gradients are those of one plain backward."""
 
     class Marked(torch.Tensor):
         pass
 
+    plain = _net()
     net = _net()
     net[2].weight = nn.Parameter(net[2].weight.detach().as_subclass(Marked))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    out = plain(x)
+    out.backward(torch.full_like(out, 0.5))
     public: list[int] = []
-    real = torch.autograd.grad
+    real = torch.autograd.backward
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         public.append(1)
         return real(*args, **kwargs)
 
-    x = torch.randn(5, 4, requires_grad=True)
-    _, weight = _split(x, net)
-    monkeypatch.setattr(torch.autograd, "grad", counted)
+    _, weight = _split(x.clone().requires_grad_(), net)
+    monkeypatch.setattr(torch.autograd, "backward", counted)
     weight.run()
-    assert public  # the weights' call went through torch.autograd.grad
-    assert all(p.grad is not None for p in net.parameters())
+    assert public  # the subclass weight's call went through the public one
+    for a, b in zip(plain.parameters(), net.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        assert torch.allclose(a.grad, b.grad.as_subclass(torch.Tensor), atol=1e-6)

@@ -77,23 +77,10 @@ def backward_full(
 
 def _engine_backward(roots: Sequence[Root], grads: Sequence[torch.Tensor]) -> bool:
     """``torch.autograd.backward(roots, grads)`` without its Python preamble, where the
-    preamble would pass every value through unchanged (see :func:`_engine_grad`). False:
+    preamble would pass every value through unchanged (see :func:`_engine_call`). False:
     not such a case, nothing run (the caller runs torch.autograd.backward, which raises its
     own errors, and passes the call to an active torch function mode)."""
     return _engine_call(roots, grads, (), retain=False, accumulate=True)[0]
-
-
-def _engine_grad(
-    roots: Sequence[Root], grads: Sequence[torch.Tensor], inputs: Sequence[Root], retain: bool
-) -> Sequence[torch.Tensor | None]:
-    """``torch.autograd.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)``,
-    straight into the engine where its preamble changes nothing (W calls the engine once
-    per boundary node: the preamble was a fifth of each call on small stages)."""
-    ran, got = _engine_call(roots, grads, inputs, retain=retain, accumulate=False)
-    if not ran:
-        public: Any = torch.autograd.grad  # its hints take sequences of one kind only
-        return public(roots, inputs, grads, retain_graph=retain, allow_unused=True)  # type: ignore[no-any-return]
-    return got
 
 
 def _engine_call(
@@ -153,6 +140,8 @@ class WeightGrad:
     work: list[tuple[list[GradientEdge], list[torch.Tensor], list[GradientEdge]]] = field(
         default_factory=list
     )
+    # per entry of ``work``: the weights below its weight-only children
+    targets: list[list[torch.Tensor]] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
     # outputs whose whole graph is weight-only: W is their full backward
     direct: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
@@ -160,25 +149,53 @@ class WeightGrad:
     deferred: list[Deferred] = field(default_factory=list)
 
     def run(self) -> None:
+        """One engine call per boundary node, from the gradient I captured there into the
+        weights below its weight-only children, accumulated into ``.grad`` by the engine
+        (as B does: the same accumulation, the same hooks on the weights)."""
         for work in self.deferred:
             work()
         self.deferred = []
-        child_edges: list[GradientEdge] = [e for e, _ in self.direct]
-        child_grads: list[torch.Tensor] = [g for _, g in self.direct]
-        self.direct = []
-        for into, captured, children in self.work:
-            got = _engine_grad(into, captured, children, retain=False)
-            for e, g in zip(children, got):
-                if g is not None:
-                    child_edges.append(e)
-                    child_grads.append(g)
+        for (into, captured, _), params in zip(self.work, self.targets, strict=True):
+            _accumulate(into, captured, params)
         self.work.clear()
-        if child_edges:
-            pgrads = _engine_grad(child_edges, child_grads, self.params, retain=False)
-            for p, g in zip(self.params, pgrads):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+        self.targets = []
+        if self.direct:
+            _accumulate([e for e, _ in self.direct], [g for _, g in self.direct], self.params)
+        self.direct = []
         self.params = []
+
+
+def _accumulate(
+    roots: Sequence[Root], grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> None:
+    """``torch.autograd.backward(roots, grads, inputs=params)``, straight into the engine
+    where its preamble changes nothing. Never with no ``params`` (that would accumulate into
+    every leaf below, the activation path included)."""
+    if not params:
+        return
+    if not _engine_call(roots, grads, params, retain=False, accumulate=True)[0]:
+        public: Any = torch.autograd.backward  # its hints take sequences of one kind only
+        public(roots, grads, inputs=list(params))
+
+
+def _weights_below(
+    edges: Sequence[GradientEdge], acc: dict[Node, torch.Tensor]
+) -> list[torch.Tensor]:
+    """The weights (leaves of ``acc``) that the weight-only subgraphs under ``edges`` end in."""
+    found: list[torch.Tensor] = []
+    seen: set[Node] = set()
+    stack = [e.node for e in edges]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        leaf = acc.get(node)
+        if leaf is not None:
+            found.append(leaf)
+            continue
+        stack.extend(c for c, _ in node.next_functions if c is not None)
+    return found
 
 
 def _postorder(roots: Sequence[Node]) -> list[Node]:
@@ -293,6 +310,7 @@ def backward_input(
             captured.append(g)
     for owner, (edges, captured) in per_node.items():
         pending.work.append((edges, captured, boundary[owner][1]))
+        pending.targets.append(_weights_below(boundary[owner][1], acc))
     # an output whose whole graph is weight-only (first stage): W is its full backward
     pending.direct = [(e, g) for e, g in zip(outs, gs) if weight_only[e.node]]
     return input_grads, pending
