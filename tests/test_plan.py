@@ -214,9 +214,36 @@ def test_profile_and_plan_of_a_real_model() -> None:
     assert last.saved.at(8) > first.saved.at(8) > 0  # the head saves its logits' inputs
     assert last.param_bytes == (16 * 16 + 16 + 16 * 500 + 500) * 4
     assert Profile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
+    # B in one call measured beside the runtime's I and W (the zero-bubble split)
+    assert all(p.b is not None and p.b.at(8) > 0 for p in prof.pieces[1:])
     assert not any(p.grad is not None for p in model.parameters())
     plan = meshpipe.plan(model, (x,), y, loss_fn, world_size=2, profile=prof)
     assert isinstance(plan, Plan) and plan.world_size == 2
+
+
+def test_the_judge_takes_b_for_b_and_the_split_for_i_and_w() -> None:
+    """A schedule with B actions is judged with the pieces' whole backward ``b``; one that
+    splits it with their ``i`` and ``w`` (what the runtime's I and W cost, more than ``b``
+    together on small operations), except the first stage, whose W runs one B."""
+    t = Affine(1e-3, 0.0)
+    pieces = tuple(
+        replace(_piece(k), f=t, i=Affine(2e-3), w=Affine(3e-3), b=Affine(4e-3)) for k in range(4)
+    )
+    prof = Profile(pieces, 8)
+    st = Settings(world_size=2, overhead=0.0)
+    one = judge(prof, Layout(2), "1f1b", 1, 2, st, starts=[2])
+    zb = judge(prof, Layout(2), "zbh1", 1, 2, st, starts=[2])
+    assert one is not None and zb is not None
+    flat = [x for c in one.stage_costs for x in c]
+    assert flat == pytest.approx([2e-3, 8e-3, 0.0, 2e-3, 8e-3, 0.0])
+    # stage 0: I has nothing to compute, W is two pieces' b; stage 1: I 2 x 2 ms, W 2 x 3 ms
+    flat = [x for c in zb.stage_costs for x in c]
+    assert flat == pytest.approx([2e-3, 8e-3, 8e-3, 2e-3, 10e-3, 6e-3])
+    old = prof.to_dict()
+    for piece in old["pieces"]:
+        del piece["b"]  # a profile from before b was measured: B is i + w
+    again = judge(Profile.from_dict(old), Layout(2), "1f1b", 1, 2, st, starts=[2])
+    assert again is not None and list(again.stage_costs[1]) == pytest.approx([2e-3, 10e-3, 0.0])
 
 
 def test_plan_is_public_and_pure_parts_need_no_torch() -> None:

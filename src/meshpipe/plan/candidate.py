@@ -89,7 +89,7 @@ class _Sums:
         if sums is None:
             sums = [0.0]
             for p in self.pieces:
-                a: Affine = getattr(p, key)
+                a: Affine = p.whole if key == "b" else getattr(p, key)
                 sums.append(sums[-1] + a.at(rows))
             self.prefix[(key, rows)] = sums
         return max(0.0, sums[end] - sums[first])
@@ -107,18 +107,32 @@ class _Stage:
 
 
 def _stage(
-    sums: _Sums, first: int, end: int, rows: float, speed: float, ac: bool, sh: float
+    sums: _Sums,
+    first: int,
+    end: int,
+    rows: float,
+    speed: float,
+    ac: bool,
+    sh: float,
+    split: bool,
 ) -> _Stage:
-    """Pieces ``first..end-1`` as one stage: times over ``speed``, bytes per process."""
+    """Pieces ``first..end-1`` as one stage: times over ``speed``, bytes per process.
+    ``split``: the schedule splits the backward (I and W, as the runtime splits it);
+    otherwise the stage's backward is one B, kept as ``i`` (``w`` 0)."""
     f = sums.at("f", first, end, rows) / speed
-    i = sums.at("i", first, end, rows) / speed
-    w = sums.at("w", first, end, rows) / speed
-    if first == 0:  # the model's inputs need no gradient: the first stage's I has nothing
-        i, w = 0.0, i + w  # to compute, and its W runs the whole backward
+    if not split:
+        i, w = sums.at("b", first, end, rows) / speed, 0.0
+    elif first == 0:  # the model's inputs need no gradient: the first stage's I has nothing
+        i, w = 0.0, sums.at("b", first, end, rows) / speed  # to compute; W runs one B
+    else:
+        i = sums.at("i", first, end, rows) / speed
+        w = sums.at("w", first, end, rows) / speed
     saved = sums.at("saved", first, end, rows)  # tp shards some of it: not counted
     static = (sums.static[end] - sums.static[first]) / sh
     if ac:
         held = sums.pieces[first].input.at(rows)
+        if split and first == 0:  # the first stage replays its forward at W
+            return _Stage(f, i, w + f, static, held, saved, True)
         return _Stage(f, i + f, w, static, held, saved, True)
     return _Stage(f, i, w, static, saved, 0.0, False)
 
@@ -150,11 +164,12 @@ def judge(
     inflight = [held_peak(sched, r, [1.0] * sched.num_stages) for r in range(pp)]
     cap = st.memory_per_rank
     single = sched.stages_per_rank == 1
+    split = sched.uses_split_backward
 
     def make(stage: int, first: int, end: int, ac: bool) -> _Stage:
         r = rank_of[stage]
         rows = rows_mb / layout.dp_of(r)
-        return _stage(sums, first, end, rows, speed_tp, ac, shards[r])
+        return _stage(sums, first, end, rows, speed_tp, ac, shards[r], split)
 
     def seg_cost(stage: int, first: int, end: int) -> float:
         best = math.inf

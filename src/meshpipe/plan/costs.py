@@ -86,7 +86,9 @@ class PieceCost:
     """One piece: ``point`` is the split point that begins it (None for the first).
 
     Times in seconds per microbatch of ``rows`` rows: ``f`` forward (the loss included on
-    the last piece), ``i`` backward for inputs, ``w`` backward for weights. Bytes:
+    the last piece), ``i`` backward for inputs and ``w`` for weights as the runtime splits
+    it (I and W), ``b`` the whole backward in one call (B; None in profiles from before it
+    was measured: then ``i + w``). Bytes:
     ``param_bytes`` (gradients as many, for the trainable ones: ``grad_bytes``),
     ``optimizer_bytes`` (AdamW: two fp32 moments per trainable element), ``saved`` the
     bytes autograd keeps from F to backward, ``input`` the bytes entering the piece
@@ -104,6 +106,12 @@ class PieceCost:
     saved: Affine
     input: Affine
     output: Affine
+    b: Affine | None = None
+
+    @property
+    def whole(self) -> Affine:
+        """The whole backward B (``i + w`` where it was not measured)."""
+        return self.b if self.b is not None else self.i + self.w
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,9 @@ class Profile:
         pieces = []
         for p in _seq(data["pieces"]):
             values = dict(p)
-            for key in ("f", "i", "w", "saved", "input", "output"):
+            for key in ("f", "i", "w", "saved", "input", "output", "b"):
+                if values.get(key) is None and key == "b":
+                    continue
                 a = dict(values[key])
                 a["points"] = tuple((float(r), float(v)) for r, v in a.get("points", ()))
                 values[key] = Affine(**a)

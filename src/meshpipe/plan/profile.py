@@ -2,10 +2,12 @@
 
 The model is cut with ``meshpipe.split`` at every block of its trunk (so each piece runs as
 a stage would: the same modules, the same glue), then each piece runs on the previous
-piece's outputs: its forward (the last piece's includes ``loss_fn``), its backward for
-inputs only (``torch.autograd.grad`` w.r.t. the inputs: ``I``) and its whole backward
-(inputs and weights: ``B``); the weight part is ``W = B - I``. Medians of ``repeats`` runs
-after a warm-up. Bytes: parameters, gradients, AdamW state (two fp32 moments per trainable
+piece's outputs: its forward (the last piece's includes ``loss_fn``), its whole backward
+(inputs and weights: ``B``), and that backward split as the runtime splits it for the
+zero-bubble schedules (``runtime/step/backward.py``: ``I``, the inputs' gradients, and
+``W``, the weights', each of which costs more than half of B on small operations: I walks
+the graph, W calls the engine once per weight's node). Medians of ``repeats`` runs after a
+warm-up. Bytes: parameters, gradients, AdamW state (two fp32 moments per trainable
 element), what autograd saves for backward (a saved-tensors ledger, parameters and shared
 storages counted once and not at all), what enters and leaves each piece.
 """
@@ -25,6 +27,7 @@ from torch import nn
 from meshpipe.errors import SplitError
 from meshpipe.plan.costs import Affine, PieceCost, Profile
 from meshpipe.plan.errors import PlanError
+from meshpipe.runtime.step.backward import backward_input
 from meshpipe.split.api import call_stage, split
 from meshpipe.split.points import trunk_blocks
 
@@ -131,19 +134,40 @@ def _timed(fn: Callable[[], Any], repeats: int, clock: _Clock = _CLOCK) -> tuple
     return statistics.median(times), out
 
 
+def _split_timed(
+    forward: Callable[[], Any], inputs: Any, repeats: int, clock: _Clock
+) -> tuple[float, float]:
+    """Median seconds of the runtime's I and W of a fresh forward's graph (each run
+    consumes its graph), after a warm-up run."""
+    tensors = [t for t in _tensors(inputs) if t.requires_grad]
+    times: list[tuple[float, float]] = []
+    for _ in range(repeats + 1):
+        out = forward()
+        roots = [t for t in _tensors(out) if t.requires_grad]
+        grads = [torch.ones_like(t) for t in roots]
+        t0 = clock.now()
+        _, weight = backward_input(roots, grads, tensors)
+        t1 = clock.now()
+        weight.run()
+        times.append((t1 - t0, clock.now() - t1))
+    times = times[1:]
+    return statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
+
+
 def _harness(repeats: int, clock: _Clock) -> dict[str, float]:
-    """What timing a piece costs beyond its work: a forward call and the two gradient
-    calls of ``_measure_piece`` on a one-element piece. Taken out of every piece's figures,
-    so that a stage of many pieces is not charged each piece's call overheads (the stage
-    runs as one call and one backward; the runtime's own cost per action is the plan's
-    ``overhead``)."""
+    """What timing a piece costs beyond its work: a forward call, the gradient call of B,
+    and the runtime's I and W, of ``_measure_piece`` on a one-element piece. Taken out of
+    every piece's figures, so that a stage of many pieces is not charged each piece's call
+    overheads (the stage runs as one call and one backward; the runtime's own cost per
+    action is the plan's ``overhead``)."""
     dev = clock.device
     weight = torch.ones(1, device=dev, requires_grad=True)
     x = torch.ones(1, device=dev, requires_grad=True)
     f, out = _timed(lambda: x * weight, repeats, clock)
-    i, _ = _timed(lambda: torch.autograd.grad(out, [x], retain_graph=True), repeats, clock)
     b, _ = _timed(lambda: torch.autograd.grad(out, [x, weight], retain_graph=True), repeats, clock)
-    return {"f": f, "i": i, "b": b}
+    i, w = _split_timed(lambda: x * weight, x, repeats, clock)
+    weight.grad = None
+    return {"f": f, "i": i, "w": w, "b": b}
 
 
 def _measure_piece(
@@ -166,23 +190,22 @@ def _measure_piece(
     roots = [t for t in _tensors(out) if t.requires_grad]
     wanted_in = [t for t in _tensors(inputs) if t.requires_grad]
     weights = [p for p in piece.parameters() if p.requires_grad]
-    i = b = 0.0
-    if roots:
+    i = w = b = 0.0
+    if roots and (wanted_in or weights):
         grads = [torch.ones_like(t) for t in roots]
-
-        def grad_of(of: list[torch.Tensor]) -> Callable[[], Any]:
-            return lambda: torch.autograd.grad(
-                roots, of, grads, retain_graph=True, allow_unused=True
-            )
-
-        if wanted_in:
-            i, _ = _timed(grad_of(wanted_in), repeats, clock)
-            i = max(0.0, i - harness["i"])
-        if wanted_in or weights:
-            b, _ = _timed(grad_of([*wanted_in, *weights]), repeats, clock)
-            b = max(0.0, b - harness["b"])
+        whole = [*wanted_in, *weights]
+        b, _ = _timed(
+            lambda: torch.autograd.grad(roots, whole, grads, retain_graph=True, allow_unused=True),
+            repeats,
+            clock,
+        )
+        b = max(0.0, b - harness["b"])
+        i, w = _split_timed(forward, inputs, repeats, clock)
+        i, w = max(0.0, i - harness["i"]), max(0.0, w - harness["w"])
+        for p in weights:
+            p.grad = None  # W accumulated into them
     figures = {
-        "f": f, "i": min(i, b), "w": max(0.0, b - i), "saved": float(ledger.bytes),
+        "f": f, "i": i, "w": w, "b": b, "saved": float(ledger.bytes),
         "input": float(_nbytes(value)), "output": float(_nbytes(out)),
     }  # fmt: skip
     return figures, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
@@ -286,11 +309,12 @@ def _assemble(
                 fit("saved"),
                 fit("input"),
                 fit("output"),
+                fit("b"),
             )  # fmt: skip
         )
     device = str(next(iter(model.parameters())).device) if list(model.parameters()) else "cpu"
     notes: dict[str, Any] = {"sizes": sizes, "threads": torch.get_num_threads()}
     if harness is not None:
-        notes["harness"] = harness  # seconds taken out of each piece's f, i and b
+        notes["harness"] = harness  # seconds taken out of each piece's f, i, w and b
     log.info("profiled %d pieces at batch sizes %s", len(out), sizes)
     return Profile(tuple(out), batch, device, notes)
