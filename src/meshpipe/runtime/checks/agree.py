@@ -17,14 +17,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError
-from meshpipe.runtime.checks.values import DeviceGather, Gathered, fingerprint, verdict
+from meshpipe.runtime.checks.values import (
+    DeviceGather,
+    Gathered,
+    fingerprint,
+    fingerprint_parts,
+    verdict,
+)
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.step.pytree import flatten
@@ -37,7 +43,10 @@ __all__ = [
     "CallCheck",
     "check_locally",
     "check_mode",
+    "Described",
+    "call_key",
     "describe_call",
+    "digests_of",
     "agree",
     "schedule_digest",
 ]
@@ -103,6 +112,62 @@ def schedule_digest(schedule: Schedule) -> str:
     return hashlib.blake2b(schedule.to_text().encode(), digest_size=6).hexdigest()
 
 
+def _key(value: Any, leaves: list[torch.Tensor]) -> Hashable:
+    """What ``_describe(value, ...)`` is a function of besides the path (the same branches,
+    in the same order), appending the tensor leaves to ``leaves`` in its order: a tensor's
+    dtype and shape, a sequence's type and items, a mapping's type, keys (as described:
+    non-str keys by their repr) and values, a plain value's repr, another object's type."""
+    if isinstance(value, torch.Tensor):
+        leaves.append(value)
+        return (value.dtype, value.shape)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple([_key(v, leaves) for v in value]))
+    if isinstance(value, Mapping):
+        return (
+            type(value),
+            tuple(
+                (k if type(k) is str else (type(k), repr(k)), _key(v, leaves))
+                for k, v in value.items()
+            ),
+        )
+    if isinstance(value, (type(None), bool, int, float, str)):
+        return repr(value)  # the described text itself: True and 1, 0.0 and -0.0 differ
+    return ("object", type(value))
+
+
+def call_key(
+    args: Sequence[Any], kwargs: Mapping[str, Any], target: Any
+) -> tuple[Hashable, list[torch.Tensor]]:
+    """What the described inputs and target of a call are a function of (``describe_call``),
+    and their tensor leaves in its order: one walk, without formatting any text."""
+    leaves: list[torch.Tensor] = []
+    key = (
+        tuple([_key(a, leaves) for a in args]),
+        tuple([(k, _key(v, leaves)) for k, v in kwargs.items()]),
+        _key(target, leaves),
+    )
+    return key, leaves
+
+
+class Described(NamedTuple):
+    """A call's fields, their digests as the int64 tensor the call check sends (one 7-byte
+    digest per field in name order, then the field count), and its tensor leaves' paths."""
+
+    fields: dict[str, str]
+    digests: torch.Tensor
+    paths: tuple[str, ...]
+
+
+def digests_of(fields: Mapping[str, str]) -> torch.Tensor:
+    """The int64 tensor of ``fields``' digests that the call check exchanges."""
+    names = sorted(fields)
+    digests = [
+        int.from_bytes(hashlib.blake2b(fields[n].encode(), digest_size=7).digest(), "big")
+        for n in names
+    ]
+    return torch.tensor([*digests, len(names)], dtype=torch.int64)
+
+
 class Agreement:
     """An agreement started without waiting: the digests (and ``values``, a CPU int64
     fingerprint, runtime/checks/values.py) are all-gathered in the background while the step
@@ -117,8 +182,9 @@ class Agreement:
         size: int,
         timeout: float,
         rank: int,
-        values: torch.Tensor | None = None,
+        values: torch.Tensor | Sequence[torch.Tensor] | None = None,
         explain: Callable[[torch.Tensor], str | None] | None = None,
+        digests: torch.Tensor | None = None,
     ) -> None:
         self.fields = fields
         self._group, self._size, self._timeout, self._rank = group, size, timeout, rank
@@ -127,15 +193,12 @@ class Agreement:
         self._checked = size == 1
         if self._checked:
             return
-        names = sorted(fields)
-        digests = [
-            int.from_bytes(hashlib.blake2b(fields[n].encode(), digest_size=7).digest(), "big")
-            for n in names
-        ]
-        self._mine = torch.tensor([*digests, len(names)], dtype=torch.int64)
+        # ``digests``: digests_of(fields), kept by the caller (read here, never written)
+        self._mine = digests_of(fields) if digests is None else digests
         self._num_digests = len(self._mine)
-        if values is not None:
-            self._mine = torch.cat((self._mine, values))
+        if values is not None:  # int32 parts become int64 in the one concatenation
+            parts = [values] if isinstance(values, torch.Tensor) else list(values)
+            self._mine = torch.cat([self._mine, *parts])
         self._exchange: Exchange | None = None
         if exchanges(group, self._mine):  # point to point (runtime/transfer/exchange.py)
             self._exchange = Exchange(group, self._mine, "the call check")
@@ -252,7 +315,11 @@ class CallCheck:
         self.mode = mode
         self._group, self._size, self._rank, self._timeout = group, size, rank, timeout
         self._layout = layout if layout is not None else Layout.uniform(range(size), rank)
-        self._digests: dict[int, str] = {}
+        # each schedule's digest by id, the schedule held with it (a freed schedule's id may
+        # be reused by another one), the last few only
+        self._digests: dict[int, tuple[Schedule, str]] = {}
+        # the described fields and their digests per call_key and the rest they depend on
+        self._described: dict[Hashable, Described] = {}
         self._values_seen: set[str] = set()  # kinds of call whose values were compared once
         device = device if device is not None else torch.device("cpu")
         aid = os.environ.get("MESHPIPE_VALUES_ON_DEVICE", "") == "1"
@@ -285,16 +352,51 @@ class CallCheck:
                 )
             raise PipelineError(why)
 
-    def _fingerprints(self, leaves: Leaves) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fingerprint of the leaves compared on the host (CPU), and of those gathered
-        on the device (None without a device gather)."""
+    def _fingerprints(
+        self, tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The fingerprint of the leaves compared on the host (CPU), as parts to concatenate
+        (values.fingerprint_parts), and of those gathered on the device (None without a
+        device gather)."""
         gather = self._gather
-        tensors = [t for _, t in leaves]
-        here = [gather is None or t.device.type != gather.device.type for t in tensors]
-        host = fingerprint([t if h else None for t, h in zip(tensors, here)], CPU)
         if gather is None:
-            return host, None
+            return fingerprint_parts(tensors, CPU), None
+        here = [t.device.type != gather.device.type for t in tensors]
+        host = fingerprint_parts([t if h else None for t, h in zip(tensors, here)], CPU)
         return host, fingerprint([None if h else t for t, h in zip(tensors, here)], gather.device)
+
+    def _schedule_field(self, schedule: Schedule) -> str:
+        held = self._digests.get(id(schedule))
+        if held is None or held[0] is not schedule:
+            if len(self._digests) >= 16:
+                self._digests.clear()
+            held = self._digests[id(schedule)] = (schedule, schedule_digest(schedule))
+        return held[1]
+
+    def _describe(
+        self,
+        call: str,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        train_mode: bool,
+    ) -> tuple[Described, list[torch.Tensor]]:
+        """The call's fields, digests and leaf paths, kept per what they are a function of
+        (the call, the schedule, the mode and ``call_key``): a call like an earlier one
+        formats and hashes nothing. Its tensor leaves, in the paths' order."""
+        digest = self._schedule_field(schedule)
+        structure, tensors = call_key(args, kwargs, target)
+        key = (call, digest, schedule.name, schedule.num_microbatches, train_mode,
+               torch.is_grad_enabled(), structure)  # fmt: skip
+        got = self._described.get(key)
+        if got is None:
+            fields, leaves = describe_call(call, schedule, digest, args, kwargs, target, train_mode)
+            got = Described(fields, digests_of(fields), tuple(p for p, _ in leaves))
+            if len(self._described) >= 64:
+                self._described.clear()
+            self._described[key] = got
+        return got, tensors
 
     def _agreement(
         self,
@@ -309,22 +411,20 @@ class CallCheck:
         """Start the all-gather of the call's digests (with ``values``: and of the CPU
         leaves' fingerprint), and of the device leaves' fingerprint where there is a device
         gather."""
-        digest = self._digests.get(id(schedule))
-        if digest is None:
-            digest = self._digests[id(schedule)] = schedule_digest(schedule)
-        fields, leaves = describe_call(call, schedule, digest, args, kwargs, target, train_mode)
-        host: torch.Tensor | None = None
+        described, tensors = self._describe(call, schedule, args, kwargs, target, train_mode)
+        host: list[torch.Tensor] | None = None
         explain: Callable[[torch.Tensor], str | None] | None = None
         launched: Gathered | None = None
         if values and self._size > 1:
-            paths = tuple(p for p, _ in leaves)
-            host, on_device = self._fingerprints(leaves)
+            paths = described.paths
+            host, on_device = self._fingerprints(tensors)
             explain = functools.partial(verdict, paths=paths, name=self._name, call=call)
             if self._gather is not None and on_device is not None:
                 launched = self._gather.launch(on_device, paths, call)
         agreement = Agreement(
-            fields, self._group, self._size, self._timeout, self._rank, host, explain
-        )
+            described.fields, self._group, self._size, self._timeout, self._rank, host,
+            explain, described.digests,
+        )  # fmt: skip
         return agreement, launched
 
     def start(

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from meshpipe.parallel.buckets import buckets
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded, wait_work
 from meshpipe.runtime.step.stage import LossRecord
-from meshpipe.runtime.transfer.exchange import all_reduce_small, exchanges
+from meshpipe.runtime.transfer.exchange import Exchange, all_reduce_small, exchanges
 
 __all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
 
@@ -30,11 +30,13 @@ def reduce_loss(
     watchdog: Watchdog | None = None,
     stage_meshes: bool = False,
     failed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, gradient scale, failures) as 0-dim float64 tensors on ``device``, equal on
-    every rank. ``failures`` counts the processes that joined with ``failed=True`` (a
-    process whose step failed joins this closing collective instead of the rest of the
-    step, so that every rank learns of it: see Pipeline, CPU meshes).
+) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | int]:
+    """(loss, gradient scale, failures), equal on every rank: the loss a 0-dim float64
+    tensor on ``device``; on CUDA the scale and failures too (nothing is read on the host),
+    on a CPU mesh a float and an int (:func:`_reduce_loss_host`). ``failures`` counts the
+    processes that joined with ``failed=True`` (a process whose step failed joins this
+    closing collective instead of the rest of the step, so that every rank learns of it:
+    see Pipeline, CPU meshes).
 
     Mean losses are weighted by their microbatch's share: the loss is their sum, averaged
     over dp.
@@ -45,6 +47,10 @@ def reduce_loss(
     their share of it: the processes passing ``holds_last_stage`` (the last stage's mesh, tp
     coordinate 0) are summed over ``pp_group`` (the world); no averaging over dp.
     """
+    if device.type == "cpu":
+        return _reduce_loss_host(
+            records, holds_last_stage, pp_group, dp_group, timeout, stage_meshes, failed
+        )
     buf = torch.zeros(4, dtype=torch.float64, device=device)
     if failed:
         buf[3] = 1.0
@@ -67,6 +73,80 @@ def reduce_loss(
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
     scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
     return loss, scale, buf[3]
+
+
+def _reduce_loss_host(
+    records: Mapping[int, LossRecord],
+    holds_last_stage: bool,
+    pp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup | None,
+    timeout: float,
+    stage_meshes: bool,
+    failed: bool,
+) -> tuple[torch.Tensor, float, int]:
+    """:func:`reduce_loss` on a CPU mesh, where reading a value waits for nothing: the four
+    numbers (weighted loss sum, count sum, pairs, failures) are Python floats, summed over
+    the groups in their order (the same bits on every process, as the tensor path's sums),
+    and only the loss becomes a tensor. A step's closing costs its exchange and one tensor
+    instead of some twenty tensor operations on 0-dim tensors."""
+    buf = [0.0, 0.0, 0.0, 0.0]
+    if failed:
+        buf[3] = 1.0
+    elif holds_last_stage and records:
+        recs = list(records.values())
+        values = [r.value for r in recs]
+        if len({v.dtype for v in values}) == 1:  # one read for the step, not per value
+            read: list[float] = torch.stack(values).tolist()
+        else:
+            read = [float(v) for v in values]
+        total, pairs = 0.0, False
+        counts: float = 0
+        for r, v in zip(recs, read, strict=True):
+            total += float(v) * r.share  # share: 1 for (sum, count) pairs
+            if r.count is not None:
+                counts += r.count.item()
+                pairs = True
+        buf[0] = total
+        if pairs:
+            buf[1], buf[2] = float(counts), 1.0
+    dp_size = 1
+    if stage_meshes:
+        buf = _sum_on_host(buf, pp_group, "the loss all-reduce over the stage meshes", timeout)
+    else:
+        if dist.get_world_size(pp_group) > 1:  # an all-reduce: any rank may flag a failure
+            buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout)
+        if dp_group is not None:
+            buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
+            dp_size = dist.get_world_size(dp_group)
+    if buf[2] > 0.5 * dp_size:  # (sum, count) pairs; stage meshes: one 1 per contributor
+        loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
+    else:
+        loss, scale = buf[0] / dp_size, 1.0 / dp_size
+    return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3])
+
+
+def _divide(a: float, b: float) -> float:
+    """``a / b`` as float64 tensors divide: a count of 0 gives inf or nan, as in PyTorch."""
+    if b == 0.0:
+        return float(torch.tensor(a, dtype=torch.float64) / b)
+    return a / b
+
+
+def _sum_on_host(
+    values: list[float], group: dist.ProcessGroup, what: str, timeout: float
+) -> list[float]:
+    """``values`` summed over ``group`` (CPU), bounded: point to point on a small group
+    (runtime/transfer/exchange.py), in the group's order, else an all-reduce."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    if not exchanges(group, mine):
+        work = dist.all_reduce(mine, group=group, async_op=True)
+        wait_work(work, timeout, what)
+        return list(mine.tolist())
+    rows = [t.tolist() for t in Exchange(group, mine, what).wait(timeout, what)]
+    total = rows[0]
+    for row in rows[1:]:
+        total = [a + b for a, b in zip(total, row, strict=True)]
+    return total
 
 
 def _broadcast_names(
