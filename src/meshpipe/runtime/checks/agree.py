@@ -212,10 +212,10 @@ class Agreement:
         self._checked = True
         others = [r for r in range(self._size) if r != self._rank]
         try:
-            name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
             if self._exchange is not None:
                 self._every = self._exchange.wait(self._timeout, "the call check")
             else:
+                name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
                 wait_work(self._work, self._timeout, "the call check", peer_name=name)
         except CommTimeoutError as e:
             raise CommTimeoutError(
@@ -226,7 +226,8 @@ class Agreement:
                 action="call check",
                 peer=others[0] if len(others) == 1 else None,
             ) from e
-        if all(torch.equal(t, self._every[0]) for t in self._every):
+        first = self._every[0]
+        if all(torch.equal(t, first) for t in self._every[1:]):
             return
         n = self._num_digests
         if any(not torch.equal(t[:n], self._every[0][:n]) for t in self._every):

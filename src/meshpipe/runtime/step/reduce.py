@@ -15,7 +15,12 @@ import torch.distributed as dist
 from meshpipe.parallel.buckets import buckets
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded, wait_work
 from meshpipe.runtime.step.stage import LossRecord
-from meshpipe.runtime.transfer.exchange import Exchange, all_reduce_small, exchanges
+from meshpipe.runtime.transfer.exchange import (
+    Exchange,
+    all_reduce_small,
+    exchanges,
+    group_view,
+)
 
 __all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
 
@@ -113,11 +118,11 @@ def _reduce_loss_host(
     if stage_meshes:
         buf = _sum_on_host(buf, pp_group, "the loss all-reduce over the stage meshes", timeout)
     else:
-        if dist.get_world_size(pp_group) > 1:  # an all-reduce: any rank may flag a failure
+        if group_view(pp_group).size > 1:  # an all-reduce: any rank may flag a failure
             buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout)
         if dp_group is not None:
             buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
-            dp_size = dist.get_world_size(dp_group)
+            dp_size = group_view(dp_group).size
     if buf[2] > 0.5 * dp_size:  # (sum, count) pairs; stage meshes: one 1 per contributor
         loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
     else:

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from meshpipe.runtime.failures.waits import translate, wait_work
 
-__all__ = ["Exchange", "all_reduce_small", "exchanges"]
+__all__ = ["Exchange", "all_reduce_small", "exchanges", "group_view"]
 
 TAG = 0x6D70  # "mp": meshpipe's exchanges, apart from the data and control messages (tag 0)
 MAX_PEERS = 8  # beyond this many processes the collective's log-depth algorithms win
@@ -34,11 +34,37 @@ MAX_PEERS = 8  # beyond this many processes the collective's log-depth algorithm
 _kept: list[Any] = []
 
 
+class GroupView(NamedTuple):
+    """What a step asks of a group, read once: this process's rank in it, its size, and
+    the global rank of each of its ranks (torch.distributed's getters cost microseconds
+    each, several times a step)."""
+
+    me: int
+    size: int
+    global_ranks: tuple[int, ...]
+
+
+_views: dict[int, tuple[dist.ProcessGroup, GroupView]] = {}  # by id, the group held
+
+
+def group_view(group: dist.ProcessGroup) -> GroupView:
+    """``group``'s :class:`GroupView`, kept (the group held with it, so its id stays its
+    own; a group's ranks never change)."""
+    held = _views.get(id(group))
+    if held is None or held[0] is not group:
+        size = dist.get_world_size(group)
+        ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
+        if len(_views) >= 64:
+            _views.clear()
+        held = _views[id(group)] = (group, GroupView(dist.get_rank(group), size, ranks))
+    return held[1]
+
+
 def exchanges(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is exchanged point to point on ``group`` (else: a collective)."""
     if group is None or tensor.device.type != "cpu":
         return False
-    return 1 < dist.get_world_size(group) <= MAX_PEERS
+    return 1 < group_view(group).size <= MAX_PEERS
 
 
 class Exchange:
@@ -47,19 +73,19 @@ class Exchange:
 
     def __init__(self, group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> None:
         self.group = group
-        self.me = dist.get_rank(group)
-        size = dist.get_world_size(group)
+        view = self.view = group_view(group)
+        self.me = view.me
         mine = tensor.contiguous()
-        self.values = [mine if r == self.me else torch.empty_like(mine) for r in range(size)]
+        self.values = [mine if r == self.me else torch.empty_like(mine) for r in range(view.size)]
         self.sends: list[Any] = []
         self.recvs: list[tuple[int, Any]] = []
-        for r in (r for r in range(size) if r != self.me):
+        for r in (r for r in range(view.size) if r != self.me):
             try:
                 self.sends.append(group.send([mine], r, TAG))
                 self.recvs.append((r, group.recv([self.values[r]], r, TAG)))
             except RuntimeError as e:  # a peer already gone: gloo refuses the post
                 self._keep()
-                name = f"rank {r} of its group (global rank {dist.get_global_rank(group, r)})"
+                name = f"rank {r} of its group (global rank {view.global_ranks[r]})"
                 raise translate(e, what, peer_name=name) from e
 
     def wait(self, seconds: float, what: str) -> list[torch.Tensor]:
@@ -70,7 +96,7 @@ class Exchange:
             for r, work in self.recvs:
                 wait_work(
                     work, deadline - time.monotonic(), what,
-                    awaited=dist.get_global_rank(self.group, r),
+                    awaited=self.view.global_ranks[r],
                 )  # fmt: skip
             for work in self.sends:
                 wait_work(work, deadline - time.monotonic(), what)
