@@ -24,7 +24,7 @@ import torch.distributed as dist
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.runtime.step.reduce import reduce_loss
-from meshpipe.runtime.transfer.exchange import all_reduce_small, exchanges
+from meshpipe.runtime.transfer.exchange import Posted, all_reduce_small, exchanges
 
 __all__ = ["closing_status", "failed_elsewhere", "join_failed", "reads_closing"]
 
@@ -36,7 +36,13 @@ def reads_closing(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def join_failed(topo: Topology, with_loss: bool, timeout: float, dp: bool = True) -> None:
+def join_failed(
+    topo: Topology,
+    with_loss: bool,
+    timeout: float,
+    dp: bool = True,
+    posted: Posted | None = None,
+) -> None:
     """A failed process's part of the closing collective, on CPU meshes (best effort: the
     groups may be broken, and the process raises its own error right after): the loss
     all-reduce of ``step``/``eval_step`` (``with_loss``), else ``forward``'s status; over
@@ -46,7 +52,8 @@ def join_failed(topo: Topology, with_loss: bool, timeout: float, dp: bool = True
     they learn of the failure when this process exits. It waits at most 10 s (3 s when
     its dp peers are in such collectives) for the others (as the play-out after a failure
     does): its own error must not wait for a peer that is slow; a peer arriving later
-    finds the failure when this process exits or completes the collective."""
+    finds the failure when this process exits or completes the collective. ``posted``:
+    the receives of the loss's exchange over pp, if the step posted them ahead."""
     if not reads_closing(topo.device):
         return
     # with dp collectives in the actions (``dp`` False) a pp peer may be held in one of them
@@ -55,11 +62,13 @@ def join_failed(topo: Topology, with_loss: bool, timeout: float, dp: bool = True
     timeout = min(timeout, 10.0 if dp else 3.0)
     try:
         if not with_loss:
+            if posted is not None:
+                posted.keep()
             closing_status(topo.pp_group, True, timeout)
             return
         reduce_loss(
             {}, False, topo.pp_group, topo.dp_group if dp else None, topo.device, timeout=timeout,
-            stage_meshes=topo.stage_meshes, failed=True,
+            stage_meshes=topo.stage_meshes, failed=True, posted=posted,
         )  # fmt: skip
     except Exception:
         log.debug("rank %d: could not join the closing collective", topo.pp_rank, exc_info=True)

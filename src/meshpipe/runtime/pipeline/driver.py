@@ -31,10 +31,11 @@ from meshpipe.runtime.step.microbatch import (
     input_signature,
     split_microbatches,
 )
-from meshpipe.runtime.step.reduce import reduce_grads, reduce_loss, reduce_metrics
+from meshpipe.runtime.step.reduce import closing_ahead, reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.runtime.transfer.channels import Channels
 from meshpipe.runtime.transfer.descs import DescCache
+from meshpipe.runtime.transfer.exchange import Posted
 from meshpipe.runtime.transfer.p2p import Comm
 from meshpipe.runtime.transfer.reader import Reader
 from meshpipe.schedule.ir import Schedule
@@ -92,6 +93,9 @@ class StepDriver:
         self.status = RankStatus()
         self.blame = Blame(topo, mesh, timeout)  # names the culprit of a failed call
         self.steps = 0
+        # the receives of this call's closing exchange over pp, posted once its gate passed
+        # (CPU meshes; reduce.closing_ahead), until the closing takes them
+        self.closing: Posted | None = None
 
     def check_call(
         self,
@@ -204,6 +208,9 @@ class StepDriver:
         mbs, signatures, rows = self._prepare(schedule, runners, call, training, gate, chunk_spec)
         comm = self._comm(schedule, signatures, rows)
         comm.gate = gate
+        closes_on_loss = training or call[2] is not None
+        if closes_on_loss and reads_closing(self.topology.device):
+            comm.gate = self._then_post_closing(gate)
         self.status = RankStatus(phase="pipeline")
         # the usual step reduces as stages finish; accumulation reduces at the end
         hooks = self.spmd.hooks(schedule, self.topology.pp_rank, sync=self.accumulate.usual)
@@ -229,12 +236,27 @@ class StepDriver:
             # CPU meshes: the peers' end markers are read after the closing collective
             comm.finish(read_ends=not reads_closing(self.topology.device))
         except BaseException as e:
-            closes_on_loss = training or call[2] is not None
             err = self._failed(e, comm, training, closes_on_loss)
             if err is e:
                 raise
             raise err from e
         return dict(losses)
+
+    def _then_post_closing(self, gate: Callable[[], None]) -> Callable[[], None]:
+        """``gate``, then the closing exchange's receives posted (once the call is allowed
+        to move data: a refused call posts nothing, and its next call finds none)."""
+
+        def gate_then_post() -> None:
+            gate()
+            if self.closing is None:
+                self.closing = closing_ahead(self.topology.pp_group)
+
+        return gate_then_post
+
+    def take_closing(self) -> Posted | None:
+        """The closing's receives posted ahead, for the closing (none left behind)."""
+        posted, self.closing = self.closing, None
+        return posted
 
     def _failed(
         self, e: BaseException, comm: Comm, training: bool, closes_on_loss: bool
@@ -256,10 +278,13 @@ class StepDriver:
         self.blame.claim_first(e)  # before any peer hears of it (runtime/failures/culprit.py)
         cause = comm.remote_cause()
         comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
+        posted = self.take_closing()
         if isinstance(e, Exception) and not isinstance(e, CommTimeoutError):
             # step and eval_step close on the loss, forward on a status (closing.py)
             dp = not self.spmd.collectives_in_actions(training, self.accumulate.usual)
-            join_failed(self.topology, closes_on_loss, self.timeout, dp)
+            join_failed(self.topology, closes_on_loss, self.timeout, dp, posted)
+        elif posted is not None:
+            posted.keep()  # no closing to use them: kept (gloo breaks a freed receive's group)
         self.descs = DescCache()  # descriptions are unknown after a broken step
         if isinstance(e, CommTimeoutError) and getattr(cause, "peer_waited", False):
             e.args = (f"{e}; meanwhile: {cause}",)  # both waited in one hang: keep both
@@ -304,6 +329,7 @@ class StepDriver:
         loss, scale, failures = reduce_loss(
             losses, contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=watchdog, stage_meshes=topo.stage_meshes,
+            posted=self.take_closing(),
         )  # fmt: skip
         self.stop_if_failed(failures)
         if whole is not None and not topo.stage_meshes:
@@ -330,6 +356,9 @@ class StepDriver:
     def reduce_failed(self, e: BaseException) -> BaseException:
         """The error a failure in the end-of-step reductions raises, reported."""
         # torch's own collectives (FSDP2) speak gloo's words
+        posted = self.take_closing()  # failed before the closing took them: kept
+        if posted is not None:
+            posted.keep()
         err = translate(e, f"rank {self.topology.pp_rank}: the end-of-step reductions")
         self.blame.failed(err)  # claim or name the culprit (runtime/failures/culprit.py)
         report = self.report()
@@ -347,6 +376,7 @@ class StepDriver:
         loss, _, failures = reduce_loss(
             records, contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
+            posted=self.take_closing(),
         )  # fmt: skip
         self.stop_if_failed(failures)
         self.done()

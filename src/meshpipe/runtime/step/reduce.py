@@ -16,13 +16,15 @@ from meshpipe.parallel.buckets import buckets
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded, wait_work
 from meshpipe.runtime.step.stage import LossRecord
 from meshpipe.runtime.transfer.exchange import (
+    TAG_CLOSING,
     Exchange,
+    Posted,
     all_reduce_small,
     exchanges,
     group_view,
 )
 
-__all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
+__all__ = ["closing_ahead", "reduce_loss", "reduce_grads", "reduce_metrics"]
 
 
 def reduce_loss(
@@ -35,6 +37,7 @@ def reduce_loss(
     watchdog: Watchdog | None = None,
     stage_meshes: bool = False,
     failed: bool = False,
+    posted: Posted | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | int]:
     """(loss, gradient scale, failures), equal on every rank: the loss a 0-dim float64
     tensor on ``device``; on CUDA the scale and failures too (nothing is read on the host),
@@ -51,11 +54,20 @@ def reduce_loss(
     With ``stage_meshes`` the records are parts of the whole batch, already weighted by
     their share of it: the processes passing ``holds_last_stage`` (the last stage's mesh, tp
     coordinate 0) are summed over ``pp_group`` (the world); no averaging over dp.
+
+    ``posted``: the receives of the exchange over ``pp_group``, posted ahead by the step
+    (CPU meshes; see closing_ahead).
     """
     if device.type == "cpu":
-        return _reduce_loss_host(
-            records, holds_last_stage, pp_group, dp_group, timeout, stage_meshes, failed
-        )
+        try:
+            return _reduce_loss_host(
+                records, holds_last_stage, pp_group, dp_group, timeout, stage_meshes, failed,
+                posted,
+            )  # fmt: skip
+        except BaseException:
+            if posted is not None:  # not used (an exchange that used them keeps its own)
+                posted.keep()
+            raise
     buf = torch.zeros(4, dtype=torch.float64, device=device)
     if failed:
         buf[3] = 1.0
@@ -88,6 +100,7 @@ def _reduce_loss_host(
     timeout: float,
     stage_meshes: bool,
     failed: bool,
+    posted: Posted | None,
 ) -> tuple[torch.Tensor, float, int]:
     """:func:`reduce_loss` on a CPU mesh, where reading a value waits for nothing: the four
     numbers (weighted loss sum, count sum, pairs, failures) are Python floats, summed over
@@ -116,10 +129,11 @@ def _reduce_loss_host(
             buf[1], buf[2] = float(counts), 1.0
     dp_size = 1
     if stage_meshes:
-        buf = _sum_on_host(buf, pp_group, "the loss all-reduce over the stage meshes", timeout)
+        what = "the loss all-reduce over the stage meshes"
+        buf = _sum_on_host(buf, pp_group, what, timeout, posted)
     else:
         if group_view(pp_group).size > 1:  # an all-reduce: any rank may flag a failure
-            buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout)
+            buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout, posted)
         if dp_group is not None:
             buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
             dp_size = group_view(dp_group).size
@@ -137,17 +151,35 @@ def _divide(a: float, b: float) -> float:
     return a / b
 
 
+def closing_ahead(pp_group: dist.ProcessGroup) -> Posted | None:
+    """The receives of a step's closing exchange over ``pp_group`` (a CPU mesh), posted
+    once its transfers are allowed (after the call check's gate): the last rank to finish
+    then finds its peers' numbers there, instead of asking for them (a round trip)."""
+    like = torch.zeros(4, dtype=torch.float64)
+    if not exchanges(pp_group, like):
+        return None
+    return Posted(pp_group, like, TAG_CLOSING, "the loss all-reduce over pp")
+
+
 def _sum_on_host(
-    values: list[float], group: dist.ProcessGroup, what: str, timeout: float
+    values: list[float],
+    group: dist.ProcessGroup,
+    what: str,
+    timeout: float,
+    posted: Posted | None = None,
 ) -> list[float]:
     """``values`` summed over ``group`` (CPU), bounded: point to point on a small group
-    (runtime/transfer/exchange.py), in the group's order, else an all-reduce."""
+    (runtime/transfer/exchange.py; into the receives ``posted`` ahead, where given), in
+    the group's order, else an all-reduce."""
     mine = torch.tensor(values, dtype=torch.float64)
     if not exchanges(group, mine):
+        if posted is not None:
+            posted.keep()
         work = dist.all_reduce(mine, group=group, async_op=True)
         wait_work(work, timeout, what)
         return list(mine.tolist())
-    rows = [t.tolist() for t in Exchange(group, mine, what).wait(timeout, what)]
+    ex = Exchange(group, mine, what, TAG_CLOSING, posted)
+    rows = [t.tolist() for t in ex.wait(timeout, what)]
     total = rows[0]
     for row in rows[1:]:
         total = [a + b for a, b in zip(total, row, strict=True)]
