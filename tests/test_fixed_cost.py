@@ -23,7 +23,7 @@ from torch import nn
 
 import meshpipe
 from meshpipe.runtime.checks import values
-from meshpipe.runtime.step.reduce import _divide
+from meshpipe.runtime.failures.closing import _divide
 from meshpipe.testing import run_on_ranks
 
 from parity import mse
@@ -52,10 +52,10 @@ def _watch(log: dict[str, int]) -> None:
     """Count, in this process, the calls described (fields formatted and hashed) and the
     closing exchanges made into receives posted ahead or not."""
     from meshpipe.runtime.checks import agree
-    from meshpipe.runtime.step import reduce
+    from meshpipe.runtime.failures import closing
     from meshpipe.runtime.transfer import exchange
 
-    describe, real_exchange = agree.describe_call, reduce.Exchange
+    describe, real_exchange = agree.describe_call, closing.Exchange
 
     def described(*args: Any, **kwargs: Any) -> Any:
         log["described"] += 1
@@ -67,7 +67,7 @@ def _watch(log: dict[str, int]) -> None:
         return real_exchange(*args, **kwargs)
 
     agree.describe_call = described  # type: ignore[assignment]
-    reduce.Exchange = counted  # type: ignore[assignment,misc]
+    closing.Exchange = counted  # type: ignore[assignment,misc]
     assert exchange.TAG_CLOSING != exchange.TAG
 
 

@@ -17,7 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck
-from meshpipe.runtime.failures.closing import failed_elsewhere, join_failed, reads_closing
+from meshpipe.runtime.failures.closing import (
+    closing_ahead,
+    failed_elsewhere,
+    join_failed,
+    reads_closing,
+    reduce_loss_host,
+)
 from meshpipe.runtime.failures.culprit import Blame
 from meshpipe.runtime.failures.waits import Watchdog, translate
 from meshpipe.runtime.mesh.spmd import Spmd
@@ -31,7 +37,7 @@ from meshpipe.runtime.step.microbatch import (
     input_signature,
     split_microbatches,
 )
-from meshpipe.runtime.step.reduce import closing_ahead, reduce_grads, reduce_loss, reduce_metrics
+from meshpipe.runtime.step.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.runtime.transfer.channels import Channels
 from meshpipe.runtime.transfer.descs import DescCache
@@ -326,11 +332,7 @@ class StepDriver:
         spmd, acc, topo, watchdog = self.spmd, self.accumulate, self.topology, self.watchdog
         factor = spmd.finish_step(self.timeout, watchdog)
         settle_grads(params)  # each in its parameter's layout (sequence parallel, embeddings)
-        loss, scale, failures = reduce_loss(
-            losses, contributes, topo.pp_group, topo.dp_group, topo.device,
-            timeout=self.timeout, watchdog=watchdog, stage_meshes=topo.stage_meshes,
-            posted=self.take_closing(),
-        )  # fmt: skip
+        loss, scale, failures = self._close(losses, contributes)
         self.stop_if_failed(failures)
         if whole is not None and not topo.stage_meshes:
             whole.sync_grads()  # tied weights: sum over the stages holding them
@@ -353,6 +355,22 @@ class StepDriver:
             whole.sync_grads()  # stage meshes: after dp, as whole-mesh means
         return loss
 
+    def _close(
+        self, records: Any, contributes: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | int]:
+        """The step's closing collective: (loss, gradient scale, failures), the same on
+        every rank (on a CPU mesh computed on the host, into the receives posted ahead)."""
+        topo = self.topology
+        if reads_closing(topo.device):
+            return reduce_loss_host(
+                records, contributes, topo.pp_group, topo.dp_group, self.timeout,
+                topo.stage_meshes, False, self.take_closing(),
+            )  # fmt: skip
+        return reduce_loss(
+            records, contributes, topo.pp_group, topo.dp_group, topo.device,
+            timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
+        )  # fmt: skip
+
     def reduce_failed(self, e: BaseException) -> BaseException:
         """The error a failure in the end-of-step reductions raises, reported."""
         # torch's own collectives (FSDP2) speak gloo's words
@@ -373,11 +391,7 @@ class StepDriver:
         """End of an eval step: the loss agreed over pp and dp, then (``with_metrics``) the
         metrics, sent from global rank ``src`` (the last stage's), reduced alike."""
         topo = self.topology
-        loss, _, failures = reduce_loss(
-            records, contributes, topo.pp_group, topo.dp_group, topo.device,
-            timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
-            posted=self.take_closing(),
-        )  # fmt: skip
+        loss, _, failures = self._close(records, contributes)
         self.stop_if_failed(failures)
         self.done()
         if not with_metrics:

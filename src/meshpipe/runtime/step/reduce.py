@@ -15,16 +15,9 @@ import torch.distributed as dist
 from meshpipe.parallel.buckets import buckets
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded, wait_work
 from meshpipe.runtime.step.stage import LossRecord
-from meshpipe.runtime.transfer.exchange import (
-    TAG_CLOSING,
-    Exchange,
-    Posted,
-    all_reduce_small,
-    exchanges,
-    group_view,
-)
+from meshpipe.runtime.transfer.exchange import all_reduce_small, exchanges
 
-__all__ = ["closing_ahead", "reduce_loss", "reduce_grads", "reduce_metrics"]
+__all__ = ["reduce_loss", "reduce_grads", "reduce_metrics"]
 
 
 def reduce_loss(
@@ -37,14 +30,13 @@ def reduce_loss(
     watchdog: Watchdog | None = None,
     stage_meshes: bool = False,
     failed: bool = False,
-    posted: Posted | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | int]:
-    """(loss, gradient scale, failures), equal on every rank: the loss a 0-dim float64
-    tensor on ``device``; on CUDA the scale and failures too (nothing is read on the host),
-    on a CPU mesh a float and an int (:func:`_reduce_loss_host`). ``failures`` counts the
-    processes that joined with ``failed=True`` (a process whose step failed joins this
-    closing collective instead of the rest of the step, so that every rank learns of it:
-    see Pipeline, CPU meshes).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, gradient scale, failures) as 0-dim float64 tensors on ``device``, equal on
+    every rank, nothing read on the host. ``failures`` counts the processes that joined
+    with ``failed=True`` (a process whose step failed joins this closing collective
+    instead of the rest of the step, so that every rank learns of it: see Pipeline, CPU
+    meshes; there runtime/failures/closing.py's ``reduce_loss_host`` computes the same on
+    the host).
 
     Mean losses are weighted by their microbatch's share: the loss is their sum, averaged
     over dp.
@@ -54,20 +46,7 @@ def reduce_loss(
     With ``stage_meshes`` the records are parts of the whole batch, already weighted by
     their share of it: the processes passing ``holds_last_stage`` (the last stage's mesh, tp
     coordinate 0) are summed over ``pp_group`` (the world); no averaging over dp.
-
-    ``posted``: the receives of the exchange over ``pp_group``, posted ahead by the step
-    (CPU meshes; see closing_ahead).
     """
-    if device.type == "cpu":
-        try:
-            return _reduce_loss_host(
-                records, holds_last_stage, pp_group, dp_group, timeout, stage_meshes, failed,
-                posted,
-            )  # fmt: skip
-        except BaseException:
-            if posted is not None:  # not used (an exchange that used them keeps its own)
-                posted.keep()
-            raise
     buf = torch.zeros(4, dtype=torch.float64, device=device)
     if failed:
         buf[3] = 1.0
@@ -90,100 +69,6 @@ def reduce_loss(
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
     scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
     return loss, scale, buf[3]
-
-
-def _reduce_loss_host(
-    records: Mapping[int, LossRecord],
-    holds_last_stage: bool,
-    pp_group: dist.ProcessGroup,
-    dp_group: dist.ProcessGroup | None,
-    timeout: float,
-    stage_meshes: bool,
-    failed: bool,
-    posted: Posted | None,
-) -> tuple[torch.Tensor, float, int]:
-    """:func:`reduce_loss` on a CPU mesh, where reading a value waits for nothing: the four
-    numbers (weighted loss sum, count sum, pairs, failures) are Python floats, summed over
-    the groups in their order (the same bits on every process, as the tensor path's sums),
-    and only the loss becomes a tensor. A step's closing costs its exchange and one tensor
-    instead of some twenty tensor operations on 0-dim tensors."""
-    buf = [0.0, 0.0, 0.0, 0.0]
-    if failed:
-        buf[3] = 1.0
-    elif holds_last_stage and records:
-        recs = list(records.values())
-        values = [r.value for r in recs]
-        if len({v.dtype for v in values}) == 1:  # one read for the step, not per value
-            read: list[float] = torch.stack(values).tolist()
-        else:
-            read = [float(v) for v in values]
-        total, pairs = 0.0, False
-        counts: float = 0
-        for r, v in zip(recs, read, strict=True):
-            total += float(v) * r.share  # share: 1 for (sum, count) pairs
-            if r.count is not None:
-                counts += r.count.item()
-                pairs = True
-        buf[0] = total
-        if pairs:
-            buf[1], buf[2] = float(counts), 1.0
-    dp_size = 1
-    if stage_meshes:
-        what = "the loss all-reduce over the stage meshes"
-        buf = _sum_on_host(buf, pp_group, what, timeout, posted)
-    else:
-        if group_view(pp_group).size > 1:  # an all-reduce: any rank may flag a failure
-            buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout, posted)
-        if dp_group is not None:
-            buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
-            dp_size = group_view(dp_group).size
-    if buf[2] > 0.5 * dp_size:  # (sum, count) pairs; stage meshes: one 1 per contributor
-        loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
-    else:
-        loss, scale = buf[0] / dp_size, 1.0 / dp_size
-    return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3])
-
-
-def _divide(a: float, b: float) -> float:
-    """``a / b`` as float64 tensors divide: a count of 0 gives inf or nan, as in PyTorch."""
-    if b == 0.0:
-        return float(torch.tensor(a, dtype=torch.float64) / b)
-    return a / b
-
-
-def closing_ahead(pp_group: dist.ProcessGroup) -> Posted | None:
-    """The receives of a step's closing exchange over ``pp_group`` (a CPU mesh), posted
-    once its transfers are allowed (after the call check's gate): the last rank to finish
-    then finds its peers' numbers there, instead of asking for them (a round trip)."""
-    like = torch.zeros(4, dtype=torch.float64)
-    if not exchanges(pp_group, like):
-        return None
-    return Posted(pp_group, like, TAG_CLOSING, "the loss all-reduce over pp")
-
-
-def _sum_on_host(
-    values: list[float],
-    group: dist.ProcessGroup,
-    what: str,
-    timeout: float,
-    posted: Posted | None = None,
-) -> list[float]:
-    """``values`` summed over ``group`` (CPU), bounded: point to point on a small group
-    (runtime/transfer/exchange.py; into the receives ``posted`` ahead, where given), in
-    the group's order, else an all-reduce."""
-    mine = torch.tensor(values, dtype=torch.float64)
-    if not exchanges(group, mine):
-        if posted is not None:
-            posted.keep()
-        work = dist.all_reduce(mine, group=group, async_op=True)
-        wait_work(work, timeout, what)
-        return list(mine.tolist())
-    ex = Exchange(group, mine, what, TAG_CLOSING, posted)
-    rows = [t.tolist() for t in ex.wait(timeout, what)]
-    total = rows[0]
-    for row in rows[1:]:
-        total = [a + b for a, b in zip(total, row, strict=True)]
-    return total
 
 
 def _broadcast_names(
