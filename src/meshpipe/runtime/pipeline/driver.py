@@ -83,6 +83,7 @@ class StepDriver:
         # what Comm derives from each program alone, kept with it (see Comm.begin)
         self.program_memos: dict[int, dict[str, Any]] = {}
         self.channels: Channels = pp_channels(topo)
+        self.tp_size = 1 if topo.tp_mesh is None else topo.tp_mesh.size()
         self.calls = CallCheck(
             check_inputs, self.channels.ctrl, len(topo.layout.ranks), topo.layout.me,
             timeout, topo.layout, self.channels.data, topo.device,
@@ -144,7 +145,7 @@ class StepDriver:
         program = held[1]
         comm = Comm(
             self.channels, topo.layout.me, self.timeout, topo.device, self.descs, signatures,
-            self.watchdog, self.readers, topo.layout, rows, topo.tp_mesh,
+            self.watchdog, self.readers, topo.layout, rows, topo.tp_mesh, self.tp_size,
         )  # fmt: skip
         comm.begin(*program, schedule.placement, memo=self.program_memos[key])
         return comm
