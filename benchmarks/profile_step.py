@@ -98,7 +98,10 @@ def instrument() -> Totals:
     _wrap(Comm, "finish", "Comm.finish (end markers sent)", totals)
     _wrap(driver.StepDriver, "reduce", "end of step (reduce)", totals)
     _wrap(driver, "settle_grads", "  settle_grads", totals)
-    _wrap(driver, "reduce_loss", "  reduce_loss (closing exchange)", totals)
+    if hasattr(driver, "reduce_loss_host"):  # CPU meshes since 2026-12-02
+        _wrap(driver, "reduce_loss_host", "  the closing (loss exchange, CPU)", totals)
+    else:
+        _wrap(driver, "reduce_loss", "  the closing (loss exchange, CPU)", totals)
     _wrap(driver.StepDriver, "stop_if_failed", "  stop_if_failed (end markers read)", totals)
     return totals
 
