@@ -8,8 +8,11 @@ its own part had ended. So every step ends with one collective over pp (and dp) 
 process joins, the failed ones with a flag: the loss all-reduce of ``step``/``eval_step``
 (runtime/step/reduce.py), or a one-number all-reduce in ``forward``.
 
-On a CPU mesh the flag is read and a rank whose peers failed raises RemoteStageError; the
-peers' end markers are read after this collective (Comm.end), so they cost no round trip. On
+On a CPU mesh the loss closing is computed here, on the host (:func:`reduce_loss_host`:
+Python floats, one exchange into receives posted once the call's gate passed,
+:func:`closing_ahead`); the flag is read and a rank whose peers failed raises
+RemoteStageError; the peers' end markers are read after this collective (Comm.end), so
+they cost no round trip. On
 CUDA reading it would make the host wait for the GPU in every step, so failed processes do
 not join there; the others' bounded waits (the watchdog) end the step instead.
 """

@@ -101,7 +101,7 @@ class StepDriver:
         self.blame = Blame(topo, mesh, timeout)  # names the culprit of a failed call
         self.steps = 0
         # the receives of this call's closing exchange over pp, posted once its gate passed
-        # (CPU meshes; reduce.closing_ahead), until the closing takes them
+        # (CPU meshes; failures/closing.py: closing_ahead), until the closing takes them
         self.closing: Posted | None = None
 
     def check_call(
