@@ -118,7 +118,40 @@ def _body() -> dict[str, Any]:
     out["forward"] = _outcome(lambda: pipe.forward(x))
     out["pending at the end"] = pipe._driver.closing is not None
     out["closing total"] = (log["closing posted"], log["closing fresh"])
+    out["eval failing"] = _eval_failing(mesh, x)
     return out
+
+
+class Failing(nn.Module):
+    """A last stage that raises in its second forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("the last stage broke on purpose")
+        return self.lin(x)
+
+
+def _eval_failing(mesh: Any, x: torch.Tensor) -> tuple[str, float]:
+    """eval_step without a target (a loss of the output alone) closes on the loss like
+    every eval_step: a process that fails in it joins that closing, not forward's, so its
+    peer stops at once with its message (before, the failed process joined forward's
+    closing while its peer waited in the loss's)."""
+    import time
+
+    stages: list[nn.Module] = [nn.Linear(16, 16), Failing()]
+    pipe = meshpipe.Pipeline(
+        stages, mesh, "1f1b", num_microbatches=2, loss_fn=lambda out: out.pow(2).mean(),
+        timeout=30,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    got = _outcome(lambda: pipe.eval_step(x))
+    return got, time.monotonic() - t0
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +192,15 @@ def test_the_closing_uses_receives_posted_after_the_gate(results: list[dict[str,
         assert not r["pending at the end"], r
         # steps that ran: first, repeat, values agree again, flag 1 (x2), after all, eval
         assert r["closing total"] == (7, 0), r
+
+
+def test_a_failure_in_eval_step_without_target_reaches_every_rank(
+    results: list[dict[str, Any]],
+) -> None:
+    for r in results:
+        got, seconds = r["eval failing"]
+        assert "the last stage broke on purpose" in got, got
+        assert seconds < 8.0, (got, seconds)  # not a closing's 10 s wait
 
 
 def _sums_the_long_way(t: torch.Tensor) -> tuple[int, int]:

@@ -215,7 +215,9 @@ class StepDriver:
         mbs, signatures, rows = self._prepare(schedule, runners, call, training, gate, chunk_spec)
         comm = self._comm(schedule, signatures, rows)
         comm.gate = gate
-        closes_on_loss = training or call[2] is not None
+        # step and eval_step (the only call with ``before_finish``: its scoring) close on
+        # the loss, with or without a target; forward on a status (closing.py)
+        closes_on_loss = training or before_finish is not None
         if closes_on_loss and reads_closing(self.topology.device):
             comm.gate = self._then_post_closing(gate)
         self.status = RankStatus(phase="pipeline")
