@@ -26,6 +26,7 @@ def _record_order(events: list[str]) -> None:
     from meshpipe.runtime.transfer.p2p import Comm
 
     real_sum, real_status, real_end = reduce._sum, closing.all_reduce_small, Comm.end
+    real_host_sum = closing._sum_on_host  # CPU meshes: the loss summed as Python floats
 
     def logged(real: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -40,6 +41,7 @@ def _record_order(events: list[str]) -> None:
         real_end(self, seconds)
 
     reduce._sum = logged(real_sum)
+    closing._sum_on_host = logged(real_host_sum)
     closing.all_reduce_small = logged(real_status)
     Comm.end = end  # type: ignore[method-assign]
 

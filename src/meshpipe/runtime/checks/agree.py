@@ -15,16 +15,28 @@ call of each kind only.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from meshpipe.errors import CommTimeoutError, PipelineError
-from meshpipe.runtime.checks.values import DeviceGather, Gathered, fingerprint, verdict
+from meshpipe.runtime.checks.describe import (
+    Described,
+    call_key,
+    describe_call,
+    digests_of,
+    schedule_digest,
+)
+from meshpipe.runtime.checks.values import (
+    DeviceGather,
+    Gathered,
+    fingerprint,
+    fingerprint_parts,
+    verdict,
+)
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.step.pytree import flatten
@@ -37,70 +49,11 @@ __all__ = [
     "CallCheck",
     "check_locally",
     "check_mode",
-    "describe_call",
     "agree",
-    "schedule_digest",
 ]
 
 CHECKS = ("shapes", "values", "first_values", "off")
 CPU = torch.device("cpu")
-
-
-Leaves = list[tuple[str, torch.Tensor]]  # (path, tensor) of every tensor leaf, in order
-
-
-def _describe(value: Any, path: str, out: list[str], values: Leaves) -> None:
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        out.append(f"{path} of shape {tuple(value.shape)} ({dtype})")
-        values.append((path, value))
-    elif isinstance(value, (tuple, list)):
-        out.append(f"{path}: {type(value).__name__} of {len(value)}")
-        for i, v in enumerate(value):
-            _describe(v, f"{path}[{i}]", out, values)
-    elif isinstance(value, Mapping):
-        out.append(f"{path}: keys {sorted(map(str, value))}")
-        for k, v in value.items():
-            _describe(v, f"{path}[{k!r}]", out, values)
-    elif isinstance(value, (type(None), bool, int, float, str)):
-        out.append(f"{path} = {value!r}")
-    else:
-        out.append(f"{path}: {type(value).__qualname__}")
-
-
-def describe_call(
-    call: str,
-    schedule: Schedule,
-    schedule_digest: str,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    target: Any,
-    training: bool,
-) -> tuple[dict[str, str], Leaves]:
-    """The fields every pp rank must agree on for one call (``call``: "step", "forward"...),
-    and the tensor leaves of its inputs and target with their paths."""
-    parts: list[str] = []
-    tensors: Leaves = []
-    for i, a in enumerate(args):
-        _describe(a, f"argument {i}", parts, tensors)
-    for k, v in kwargs.items():
-        _describe(v, f"argument {k!r}", parts, tensors)
-    target_parts: list[str] = []
-    _describe(target, "target", target_parts, tensors)
-    fields = {
-        "call": call,
-        "schedule": f"{schedule.name} (actions {schedule_digest})",
-        "microbatches": str(schedule.num_microbatches),
-        "mode": ("train" if training else "eval")
-        + (", gradients on" if torch.is_grad_enabled() else ", gradients off"),
-        "inputs": "; ".join(parts),
-        "target": "; ".join(target_parts),
-    }
-    return fields, tensors
-
-
-def schedule_digest(schedule: Schedule) -> str:
-    return hashlib.blake2b(schedule.to_text().encode(), digest_size=6).hexdigest()
 
 
 class Agreement:
@@ -117,8 +70,9 @@ class Agreement:
         size: int,
         timeout: float,
         rank: int,
-        values: torch.Tensor | None = None,
+        values: torch.Tensor | Sequence[torch.Tensor] | None = None,
         explain: Callable[[torch.Tensor], str | None] | None = None,
+        digests: torch.Tensor | None = None,
     ) -> None:
         self.fields = fields
         self._group, self._size, self._timeout, self._rank = group, size, timeout, rank
@@ -127,15 +81,12 @@ class Agreement:
         self._checked = size == 1
         if self._checked:
             return
-        names = sorted(fields)
-        digests = [
-            int.from_bytes(hashlib.blake2b(fields[n].encode(), digest_size=7).digest(), "big")
-            for n in names
-        ]
-        self._mine = torch.tensor([*digests, len(names)], dtype=torch.int64)
+        # ``digests``: digests_of(fields), kept by the caller (read here, never written)
+        self._mine = digests_of(fields) if digests is None else digests
         self._num_digests = len(self._mine)
-        if values is not None:
-            self._mine = torch.cat((self._mine, values))
+        if values is not None:  # int32 parts become int64 in the one concatenation
+            parts = [values] if isinstance(values, torch.Tensor) else list(values)
+            self._mine = torch.cat([self._mine, *parts])
         self._exchange: Exchange | None = None
         if exchanges(group, self._mine):  # point to point (runtime/transfer/exchange.py)
             self._exchange = Exchange(group, self._mine, "the call check")
@@ -149,10 +100,10 @@ class Agreement:
         self._checked = True
         others = [r for r in range(self._size) if r != self._rank]
         try:
-            name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
             if self._exchange is not None:
                 self._every = self._exchange.wait(self._timeout, "the call check")
             else:
+                name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
                 wait_work(self._work, self._timeout, "the call check", peer_name=name)
         except CommTimeoutError as e:
             raise CommTimeoutError(
@@ -163,7 +114,8 @@ class Agreement:
                 action="call check",
                 peer=others[0] if len(others) == 1 else None,
             ) from e
-        if all(torch.equal(t, self._every[0]) for t in self._every):
+        first = self._every[0]
+        if all(torch.equal(t, first) for t in self._every[1:]):
             return
         n = self._num_digests
         if any(not torch.equal(t[:n], self._every[0][:n]) for t in self._every):
@@ -252,7 +204,11 @@ class CallCheck:
         self.mode = mode
         self._group, self._size, self._rank, self._timeout = group, size, rank, timeout
         self._layout = layout if layout is not None else Layout.uniform(range(size), rank)
-        self._digests: dict[int, str] = {}
+        # each schedule's digest by id, the schedule held with it (a freed schedule's id may
+        # be reused by another one), the last few only
+        self._digests: dict[int, tuple[Schedule, str]] = {}
+        # the described fields and their digests per call_key and the rest they depend on
+        self._described: dict[Hashable, Described] = {}
         self._values_seen: set[str] = set()  # kinds of call whose values were compared once
         device = device if device is not None else torch.device("cpu")
         aid = os.environ.get("MESHPIPE_VALUES_ON_DEVICE", "") == "1"
@@ -285,16 +241,51 @@ class CallCheck:
                 )
             raise PipelineError(why)
 
-    def _fingerprints(self, leaves: Leaves) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fingerprint of the leaves compared on the host (CPU), and of those gathered
-        on the device (None without a device gather)."""
+    def _fingerprints(
+        self, tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The fingerprint of the leaves compared on the host (CPU), as parts to concatenate
+        (values.fingerprint_parts), and of those gathered on the device (None without a
+        device gather)."""
         gather = self._gather
-        tensors = [t for _, t in leaves]
-        here = [gather is None or t.device.type != gather.device.type for t in tensors]
-        host = fingerprint([t if h else None for t, h in zip(tensors, here)], CPU)
         if gather is None:
-            return host, None
+            return fingerprint_parts(tensors, CPU), None
+        here = [t.device.type != gather.device.type for t in tensors]
+        host = fingerprint_parts([t if h else None for t, h in zip(tensors, here)], CPU)
         return host, fingerprint([None if h else t for t, h in zip(tensors, here)], gather.device)
+
+    def _schedule_field(self, schedule: Schedule) -> str:
+        held = self._digests.get(id(schedule))
+        if held is None or held[0] is not schedule:
+            if len(self._digests) >= 16:
+                self._digests.clear()
+            held = self._digests[id(schedule)] = (schedule, schedule_digest(schedule))
+        return held[1]
+
+    def _describe(
+        self,
+        call: str,
+        schedule: Schedule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        train_mode: bool,
+    ) -> tuple[Described, list[torch.Tensor]]:
+        """The call's fields, digests and leaf paths, kept per what they are a function of
+        (the call, the schedule, the mode and ``call_key``): a call like an earlier one
+        formats and hashes nothing. Its tensor leaves, in the paths' order."""
+        digest = self._schedule_field(schedule)
+        structure, tensors = call_key(args, kwargs, target)
+        key = (call, digest, schedule.name, schedule.num_microbatches, train_mode,
+               torch.is_grad_enabled(), structure)  # fmt: skip
+        got = self._described.get(key)
+        if got is None:
+            fields, leaves = describe_call(call, schedule, digest, args, kwargs, target, train_mode)
+            got = Described(fields, digests_of(fields), tuple(p for p, _ in leaves))
+            if len(self._described) >= 64:
+                self._described.clear()
+            self._described[key] = got
+        return got, tensors
 
     def _agreement(
         self,
@@ -309,22 +300,20 @@ class CallCheck:
         """Start the all-gather of the call's digests (with ``values``: and of the CPU
         leaves' fingerprint), and of the device leaves' fingerprint where there is a device
         gather."""
-        digest = self._digests.get(id(schedule))
-        if digest is None:
-            digest = self._digests[id(schedule)] = schedule_digest(schedule)
-        fields, leaves = describe_call(call, schedule, digest, args, kwargs, target, train_mode)
-        host: torch.Tensor | None = None
+        described, tensors = self._describe(call, schedule, args, kwargs, target, train_mode)
+        host: list[torch.Tensor] | None = None
         explain: Callable[[torch.Tensor], str | None] | None = None
         launched: Gathered | None = None
         if values and self._size > 1:
-            paths = tuple(p for p, _ in leaves)
-            host, on_device = self._fingerprints(leaves)
+            paths = described.paths
+            host, on_device = self._fingerprints(tensors)
             explain = functools.partial(verdict, paths=paths, name=self._name, call=call)
             if self._gather is not None and on_device is not None:
                 launched = self._gather.launch(on_device, paths, call)
         agreement = Agreement(
-            fields, self._group, self._size, self._timeout, self._rank, host, explain
-        )
+            described.fields, self._group, self._size, self._timeout, self._rank, host,
+            explain, described.digests,
+        )  # fmt: skip
         return agreement, launched
 
     def start(

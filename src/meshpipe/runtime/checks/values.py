@@ -38,7 +38,15 @@ from meshpipe.errors import CommTimeoutError
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.compat import gather_single
 
-__all__ = ["SLOTS", "DeviceGather", "Gathered", "fingerprint", "leaf_sums", "verdict"]
+__all__ = [
+    "SLOTS",
+    "DeviceGather",
+    "Gathered",
+    "fingerprint",
+    "fingerprint_parts",
+    "leaf_sums",
+    "verdict",
+]
 
 SLOTS = 16  # leaves per fingerprint row; leaf i fills slot i % SLOTS (2 int64 each)
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -48,6 +56,12 @@ _K1, _K2 = -7046029254386353131, -4658895280553007687  # odd 64-bit mixing const
 _CACHED = 1 << 22  # weights up to this length are kept per device (at most 2 x 16 MiB)
 _weights_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
 _slices: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # the lengths in use
+# leaves of up to this many int32 words are summed in one pass against a kept plane pair
+# (``_planes``: at most _PLANES_KEPT shapes, 256 KiB each); larger ones in two passes
+_PLANE_WORDS = 1 << 15
+_PLANES_KEPT = 32
+_planes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+_zeros: dict[tuple[torch.device, int], torch.Tensor] = {}  # constants, never written
 
 
 def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
@@ -72,6 +86,29 @@ def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
     return got
 
 
+def _plane_pair(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """``(2, rows, cols)`` int32: ones, and the outer product ``a b^T`` of the position
+    weights, so that one product and one sum give ``(sum X, a^T X b)``: in int32, which
+    wraps around, ``sum_ij X_ij (a_i b_j)`` is bitwise ``a^T (X b)``. Kept per shape."""
+    key = (device, rows, cols)
+    got = _planes.get(key)
+    if got is None:
+        outer = _weights(rows, 2, device).unsqueeze(1).mul(_weights(cols, 1, device))
+        got = torch.stack((torch.ones_like(outer), outer))
+        if len(_planes) >= _PLANES_KEPT:
+            _planes.clear()
+        _planes[key] = got
+    return got
+
+
+def _zeros_of(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 zeros on ``device``, kept (read only: concatenated, never written)."""
+    got = _zeros.get((device, n))
+    if got is None:
+        got = _zeros[(device, n)] = torch.zeros(n, dtype=torch.int32, device=device)
+    return got
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a matrix of int32 words (rows: ``t``'s last dim where it holds whole
     words; else one row), without a copy when ``t`` is contiguous."""
@@ -92,8 +129,10 @@ def leaf_sums(t: torch.Tensor) -> torch.Tensor:
     device (a DTensor: of its local part). With the words as a matrix ``X``, the weighted
     sum is ``a^T X b`` for pseudo-random position weights ``a``, ``b``: rows or columns in
     another order differ. The sums wrap around (mod 2^32), so they are exact in any order:
-    equal bytes give equal sums on any device and thread count. One temporary of ``t``'s
-    size (``X * b``); every pass over ``t`` stays in int32."""
+    equal bytes give equal sums on any device and thread count. A leaf of up to
+    ``_PLANE_WORDS`` words is one product with a kept plane pair and one sum (a temporary
+    of twice its size); a larger one two passes (a temporary of its size, ``X * b``).
+    Every pass over ``t`` stays in int32."""
     if isinstance(t, DTensor):
         t = t.to_local()
     if t.requires_grad:
@@ -109,6 +148,8 @@ def leaf_sums(t: torch.Tensor) -> torch.Tensor:
     except (KeyError, RuntimeError):  # a dtype without an integer view: not compared
         return torch.zeros(2, dtype=torch.int32, device=t.device)
     rows, cols = x.shape
+    if rows * cols <= _PLANE_WORDS:  # (sum X, a^T X b) in two operations
+        return x.mul(_plane_pair(rows, cols, x.device)).sum((1, 2), dtype=torch.int32)
     by_row = x.mul(_weights(cols, 1, x.device)).sum(1, dtype=torch.int32)  # (rows,): X b
     weighted = by_row.mul_(_weights(rows, 2, x.device)).sum(dtype=torch.int32)  # a^T X b
     return torch.stack((x.sum(dtype=torch.int32), weighted))
@@ -126,6 +167,22 @@ def fingerprint(leaves: Sequence[torch.Tensor | None], device: torch.device) -> 
         weights = torch.arange(rows, dtype=torch.int32, device=device).mul_(2).add_(1)
         table = table.mul(weights.unsqueeze(1)).sum(0, dtype=torch.int32)
     return table.reshape(-1).to(torch.int64)
+
+
+def fingerprint_parts(
+    leaves: Sequence[torch.Tensor | None], device: torch.device
+) -> list[torch.Tensor]:
+    """:func:`fingerprint` as int32 parts on ``device`` whose concatenation, as int64, is
+    it: each leaf's two sums and the zeros of the slots left, so that the call check
+    concatenates its digests and these in one operation (more than SLOTS leaves: the
+    folded fingerprint itself, one part)."""
+    if len(leaves) > SLOTS:
+        return [fingerprint(leaves, device)]
+    zero = _zeros_of(2, device)
+    parts = [zero if t is None else leaf_sums(t).to(device) for t in leaves]
+    if len(leaves) < SLOTS:
+        parts.append(_zeros_of(2 * (SLOTS - len(leaves)), device))
+    return parts
 
 
 def verdict(

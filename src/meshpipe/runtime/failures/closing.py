@@ -8,8 +8,11 @@ its own part had ended. So every step ends with one collective over pp (and dp) 
 process joins, the failed ones with a flag: the loss all-reduce of ``step``/``eval_step``
 (runtime/step/reduce.py), or a one-number all-reduce in ``forward``.
 
-On a CPU mesh the flag is read and a rank whose peers failed raises RemoteStageError; the
-peers' end markers are read after this collective (Comm.end), so they cost no round trip. On
+On a CPU mesh the loss closing is computed here, on the host (:func:`reduce_loss_host`:
+Python floats, one exchange into receives posted once the call's gate passed,
+:func:`closing_ahead`); the flag is read and a rank whose peers failed raises
+RemoteStageError; the peers' end markers are read after this collective (Comm.end), so
+they cost no round trip. On
 CUDA reading it would make the host wait for the GPU in every step, so failed processes do
 not join there; the others' bounded waits (the watchdog) end the step instead.
 """
@@ -17,16 +20,31 @@ not join there; the others' bounded waits (the watchdog) end the step instead.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.topology import Topology
-from meshpipe.runtime.step.reduce import reduce_loss
-from meshpipe.runtime.transfer.exchange import all_reduce_small, exchanges
+from meshpipe.runtime.step.stage import LossRecord
+from meshpipe.runtime.transfer.exchange import (
+    TAG_CLOSING,
+    Exchange,
+    Posted,
+    all_reduce_small,
+    exchanges,
+    group_view,
+)
 
-__all__ = ["closing_status", "failed_elsewhere", "join_failed", "reads_closing"]
+__all__ = [
+    "closing_ahead",
+    "closing_status",
+    "failed_elsewhere",
+    "join_failed",
+    "reads_closing",
+    "reduce_loss_host",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +54,13 @@ def reads_closing(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def join_failed(topo: Topology, with_loss: bool, timeout: float, dp: bool = True) -> None:
+def join_failed(
+    topo: Topology,
+    with_loss: bool,
+    timeout: float,
+    dp: bool = True,
+    posted: Posted | None = None,
+) -> None:
     """A failed process's part of the closing collective, on CPU meshes (best effort: the
     groups may be broken, and the process raises its own error right after): the loss
     all-reduce of ``step``/``eval_step`` (``with_loss``), else ``forward``'s status; over
@@ -46,7 +70,8 @@ def join_failed(topo: Topology, with_loss: bool, timeout: float, dp: bool = True
     they learn of the failure when this process exits. It waits at most 10 s (3 s when
     its dp peers are in such collectives) for the others (as the play-out after a failure
     does): its own error must not wait for a peer that is slow; a peer arriving later
-    finds the failure when this process exits or completes the collective."""
+    finds the failure when this process exits or completes the collective. ``posted``:
+    the receives of the loss's exchange over pp, if the step posted them ahead."""
     if not reads_closing(topo.device):
         return
     # with dp collectives in the actions (``dp`` False) a pp peer may be held in one of them
@@ -55,14 +80,132 @@ def join_failed(topo: Topology, with_loss: bool, timeout: float, dp: bool = True
     timeout = min(timeout, 10.0 if dp else 3.0)
     try:
         if not with_loss:
+            if posted is not None:
+                posted.keep()
             closing_status(topo.pp_group, True, timeout)
             return
-        reduce_loss(
-            {}, False, topo.pp_group, topo.dp_group if dp else None, topo.device, timeout=timeout,
-            stage_meshes=topo.stage_meshes, failed=True,
+        reduce_loss_host(
+            {}, False, topo.pp_group, topo.dp_group if dp else None, timeout, topo.stage_meshes,
+            True, posted,
         )  # fmt: skip
     except Exception:
         log.debug("rank %d: could not join the closing collective", topo.pp_rank, exc_info=True)
+
+
+def reduce_loss_host(
+    records: Mapping[int, LossRecord],
+    holds_last_stage: bool,
+    pp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup | None,
+    timeout: float,
+    stage_meshes: bool,
+    failed: bool,
+    posted: Posted | None,
+) -> tuple[torch.Tensor, float, int]:
+    """runtime/step/reduce.py's ``reduce_loss`` on a CPU mesh, where reading a value waits
+    for nothing: (loss as a 0-dim float64 tensor, gradient scale, failures). The four
+    numbers (weighted loss sum, count sum, pairs, failures) are Python floats, summed over
+    the groups in their order (the same bits on every process, as the tensor path's sums),
+    and only the loss becomes a tensor: the closing costs its exchange and one tensor
+    instead of some twenty operations on 0-dim tensors. ``posted``: the receives of the
+    exchange over ``pp_group`` posted ahead by the step (:func:`closing_ahead`), used or
+    kept alive here."""
+    try:
+        return _close(records, holds_last_stage, pp_group, dp_group, timeout, stage_meshes,
+                      failed, posted)  # fmt: skip
+    except BaseException:
+        if posted is not None:  # not used (an exchange that used them keeps its own)
+            posted.keep()
+        raise
+
+
+def _close(
+    records: Mapping[int, LossRecord],
+    holds_last_stage: bool,
+    pp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup | None,
+    timeout: float,
+    stage_meshes: bool,
+    failed: bool,
+    posted: Posted | None,
+) -> tuple[torch.Tensor, float, int]:
+    buf = [0.0, 0.0, 0.0, 0.0]
+    if failed:
+        buf[3] = 1.0
+    elif holds_last_stage and records:
+        recs = list(records.values())
+        values = [r.value for r in recs]
+        if len({v.dtype for v in values}) == 1:  # one read for the step, not per value
+            read: list[float] = torch.stack(values).tolist()
+        else:
+            read = [float(v) for v in values]
+        total, pairs = 0.0, False
+        counts: float = 0
+        for r, v in zip(recs, read, strict=True):
+            total += float(v) * r.share  # share: 1 for (sum, count) pairs
+            if r.count is not None:
+                counts += r.count.item()
+                pairs = True
+        buf[0] = total
+        if pairs:
+            buf[1], buf[2] = float(counts), 1.0
+    dp_size = 1
+    if stage_meshes:
+        what = "the loss all-reduce over the stage meshes"
+        buf = _sum_on_host(buf, pp_group, what, timeout, posted)
+    else:
+        if group_view(pp_group).size > 1:  # an all-reduce: any rank may flag a failure
+            buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout, posted)
+        if dp_group is not None:
+            buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
+            dp_size = group_view(dp_group).size
+    if buf[2] > 0.5 * dp_size:  # (sum, count) pairs; stage meshes: one 1 per contributor
+        loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
+    else:
+        loss, scale = buf[0] / dp_size, 1.0 / dp_size
+    return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3])
+
+
+def _divide(a: float, b: float) -> float:
+    """``a / b`` as float64 tensors divide: a count of 0 gives inf or nan, as in PyTorch."""
+    if b == 0.0:
+        return float(torch.tensor(a, dtype=torch.float64) / b)
+    return a / b
+
+
+def closing_ahead(pp_group: dist.ProcessGroup) -> Posted | None:
+    """The receives of a step's closing exchange over ``pp_group`` (a CPU mesh), posted
+    once its transfers are allowed (after the call check's gate): the last rank to finish
+    then finds its peers' numbers there, instead of asking for them (a round trip)."""
+    like = torch.zeros(4, dtype=torch.float64)
+    if not exchanges(pp_group, like):
+        return None
+    return Posted(pp_group, like, TAG_CLOSING, "the loss all-reduce over pp")
+
+
+def _sum_on_host(
+    values: list[float],
+    group: dist.ProcessGroup,
+    what: str,
+    timeout: float,
+    posted: Posted | None = None,
+) -> list[float]:
+    """``values`` summed over ``group`` (CPU), bounded: point to point on a small group
+    (runtime/transfer/exchange.py; into the receives ``posted`` ahead, where given), in
+    the group's order, else an all-reduce."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    if not exchanges(group, mine):
+        if posted is not None:
+            posted.keep()
+        work = dist.all_reduce(mine, group=group, async_op=True)
+        wait_work(work, timeout, what)
+        return list(mine.tolist())
+    ex = Exchange(group, mine, what, TAG_CLOSING, posted)
+    rows = [t.tolist() for t in ex.wait(timeout, what)]
+    total = rows[0]
+    for row in rows[1:]:
+        total = [a + b for a, b in zip(total, row, strict=True)]
+    return total
 
 
 def failed_elsewhere(failures: torch.Tensor | int, device: torch.device, rank: int) -> str:

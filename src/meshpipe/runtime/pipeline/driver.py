@@ -17,7 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck
-from meshpipe.runtime.failures.closing import failed_elsewhere, join_failed, reads_closing
+from meshpipe.runtime.failures.closing import (
+    closing_ahead,
+    failed_elsewhere,
+    join_failed,
+    reads_closing,
+    reduce_loss_host,
+)
 from meshpipe.runtime.failures.culprit import Blame
 from meshpipe.runtime.failures.waits import Watchdog, translate
 from meshpipe.runtime.mesh.spmd import Spmd
@@ -35,6 +41,7 @@ from meshpipe.runtime.step.reduce import reduce_grads, reduce_loss, reduce_metri
 from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.runtime.transfer.channels import Channels
 from meshpipe.runtime.transfer.descs import DescCache
+from meshpipe.runtime.transfer.exchange import Posted
 from meshpipe.runtime.transfer.p2p import Comm
 from meshpipe.runtime.transfer.reader import Reader
 from meshpipe.schedule.ir import Schedule
@@ -76,6 +83,7 @@ class StepDriver:
         # what Comm derives from each program alone, kept with it (see Comm.begin)
         self.program_memos: dict[int, dict[str, Any]] = {}
         self.channels: Channels = pp_channels(topo)
+        self.tp_size = 1 if topo.tp_mesh is None else topo.tp_mesh.size()
         self.calls = CallCheck(
             check_inputs, self.channels.ctrl, len(topo.layout.ranks), topo.layout.me,
             timeout, topo.layout, self.channels.data, topo.device,
@@ -92,6 +100,9 @@ class StepDriver:
         self.status = RankStatus()
         self.blame = Blame(topo, mesh, timeout)  # names the culprit of a failed call
         self.steps = 0
+        # the receives of this call's closing exchange over pp, posted once its gate passed
+        # (CPU meshes; failures/closing.py: closing_ahead), until the closing takes them
+        self.closing: Posted | None = None
 
     def check_call(
         self,
@@ -134,7 +145,7 @@ class StepDriver:
         program = held[1]
         comm = Comm(
             self.channels, topo.layout.me, self.timeout, topo.device, self.descs, signatures,
-            self.watchdog, self.readers, topo.layout, rows, topo.tp_mesh,
+            self.watchdog, self.readers, topo.layout, rows, topo.tp_mesh, self.tp_size,
         )  # fmt: skip
         comm.begin(*program, schedule.placement, memo=self.program_memos[key])
         return comm
@@ -204,6 +215,11 @@ class StepDriver:
         mbs, signatures, rows = self._prepare(schedule, runners, call, training, gate, chunk_spec)
         comm = self._comm(schedule, signatures, rows)
         comm.gate = gate
+        # step and eval_step (the only call with ``before_finish``: its scoring) close on
+        # the loss, with or without a target; forward on a status (closing.py)
+        closes_on_loss = training or before_finish is not None
+        if closes_on_loss and reads_closing(self.topology.device):
+            comm.gate = self._then_post_closing(gate)
         self.status = RankStatus(phase="pipeline")
         # the usual step reduces as stages finish; accumulation reduces at the end
         hooks = self.spmd.hooks(schedule, self.topology.pp_rank, sync=self.accumulate.usual)
@@ -229,12 +245,27 @@ class StepDriver:
             # CPU meshes: the peers' end markers are read after the closing collective
             comm.finish(read_ends=not reads_closing(self.topology.device))
         except BaseException as e:
-            closes_on_loss = training or call[2] is not None
             err = self._failed(e, comm, training, closes_on_loss)
             if err is e:
                 raise
             raise err from e
         return dict(losses)
+
+    def _then_post_closing(self, gate: Callable[[], None]) -> Callable[[], None]:
+        """``gate``, then the closing exchange's receives posted (once the call is allowed
+        to move data: a refused call posts nothing, and its next call finds none)."""
+
+        def gate_then_post() -> None:
+            gate()
+            if self.closing is None:
+                self.closing = closing_ahead(self.topology.pp_group)
+
+        return gate_then_post
+
+    def take_closing(self) -> Posted | None:
+        """The closing's receives posted ahead, for the closing (none left behind)."""
+        posted, self.closing = self.closing, None
+        return posted
 
     def _failed(
         self, e: BaseException, comm: Comm, training: bool, closes_on_loss: bool
@@ -256,10 +287,13 @@ class StepDriver:
         self.blame.claim_first(e)  # before any peer hears of it (runtime/failures/culprit.py)
         cause = comm.remote_cause()
         comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
+        posted = self.take_closing()
         if isinstance(e, Exception) and not isinstance(e, CommTimeoutError):
             # step and eval_step close on the loss, forward on a status (closing.py)
             dp = not self.spmd.collectives_in_actions(training, self.accumulate.usual)
-            join_failed(self.topology, closes_on_loss, self.timeout, dp)
+            join_failed(self.topology, closes_on_loss, self.timeout, dp, posted)
+        elif posted is not None:
+            posted.keep()  # no closing to use them: kept (gloo breaks a freed receive's group)
         self.descs = DescCache()  # descriptions are unknown after a broken step
         if isinstance(e, CommTimeoutError) and getattr(cause, "peer_waited", False):
             e.args = (f"{e}; meanwhile: {cause}",)  # both waited in one hang: keep both
@@ -301,10 +335,7 @@ class StepDriver:
         spmd, acc, topo, watchdog = self.spmd, self.accumulate, self.topology, self.watchdog
         factor = spmd.finish_step(self.timeout, watchdog)
         settle_grads(params)  # each in its parameter's layout (sequence parallel, embeddings)
-        loss, scale, failures = reduce_loss(
-            losses, contributes, topo.pp_group, topo.dp_group, topo.device,
-            timeout=self.timeout, watchdog=watchdog, stage_meshes=topo.stage_meshes,
-        )  # fmt: skip
+        loss, scale, failures = self._close(losses, contributes)
         self.stop_if_failed(failures)
         if whole is not None and not topo.stage_meshes:
             whole.sync_grads()  # tied weights: sum over the stages holding them
@@ -327,9 +358,28 @@ class StepDriver:
             whole.sync_grads()  # stage meshes: after dp, as whole-mesh means
         return loss
 
+    def _close(
+        self, records: Any, contributes: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | int]:
+        """The step's closing collective: (loss, gradient scale, failures), the same on
+        every rank (on a CPU mesh computed on the host, into the receives posted ahead)."""
+        topo = self.topology
+        if reads_closing(topo.device):
+            return reduce_loss_host(
+                records, contributes, topo.pp_group, topo.dp_group, self.timeout,
+                topo.stage_meshes, False, self.take_closing(),
+            )  # fmt: skip
+        return reduce_loss(
+            records, contributes, topo.pp_group, topo.dp_group, topo.device,
+            timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
+        )  # fmt: skip
+
     def reduce_failed(self, e: BaseException) -> BaseException:
         """The error a failure in the end-of-step reductions raises, reported."""
         # torch's own collectives (FSDP2) speak gloo's words
+        posted = self.take_closing()  # failed before the closing took them: kept
+        if posted is not None:
+            posted.keep()
         err = translate(e, f"rank {self.topology.pp_rank}: the end-of-step reductions")
         self.blame.failed(err)  # claim or name the culprit (runtime/failures/culprit.py)
         report = self.report()
@@ -344,10 +394,7 @@ class StepDriver:
         """End of an eval step: the loss agreed over pp and dp, then (``with_metrics``) the
         metrics, sent from global rank ``src`` (the last stage's), reduced alike."""
         topo = self.topology
-        loss, _, failures = reduce_loss(
-            records, contributes, topo.pp_group, topo.dp_group, topo.device,
-            timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
-        )  # fmt: skip
+        loss, _, failures = self._close(records, contributes)
         self.stop_if_failed(failures)
         self.done()
         if not with_metrics:

@@ -43,7 +43,7 @@ class Accumulator:
         self._kept.clear()
         self._factors.clear()
 
-    def check_uniform(self, factor: torch.Tensor) -> None:
+    def check_uniform(self, factor: torch.Tensor | float) -> None:
         """FSDP2 accumulates unscaled gradients inside itself and the synced step scales
         them all at once: exact only if every step of the window has the same factor (loss
         normalisation x grad_scale). Reads the factor on the host (accumulation steps only)."""
@@ -78,7 +78,7 @@ class Accumulator:
     def reduce(
         self,
         params: Sequence[nn.Parameter],
-        scale: torch.Tensor,
+        scale: torch.Tensor | float,
         groups: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None]],
         timeout: float,
         watchdog: Watchdog | None,

@@ -157,6 +157,49 @@ def _batch_size(value: Any) -> int | None:
     return None
 
 
+def _split_plain(
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    target: Any,
+    num: int,
+    spec: Mapping[int | str, Any],
+) -> Microbatches | None:
+    """:func:`split_microbatches` of a call whose inputs and target (or None) are tensors
+    of at least one dim, each split on its spec's dim (default 0), all with the same rows
+    there, at least ``num``: the common case, without the pytree walks. None for any
+    other call (the general path then splits it, or says what is wrong)."""
+    named: list[tuple[torch.Tensor, Any]] = [(a, spec.get(i, 0)) for i, a in enumerate(args)]
+    named += [(v, spec.get(k, 0)) for k, v in kwargs.items()]
+    if target is not None:
+        named.append((target, spec.get("target", 0)))
+    rows = -1
+    for t, dim in named:
+        if type(dim) is not int or not isinstance(t, torch.Tensor):
+            return None
+        ndim = t.dim()
+        if not -ndim <= dim < ndim:  # (a 0-dim tensor too)
+            return None
+        n = t.shape[dim]
+        if (rows >= 0 and n != rows) or n < num:
+            return None
+        rows = n
+    chunks = [torch.tensor_split(t, num, dim=dim) for t, dim in named]
+    num_args = len(args)
+    names = list(kwargs)
+    per_kw = chunks[num_args : num_args + len(names)]
+    targets: list[Any] = list(chunks[-1]) if target is not None else [None] * num
+    # each microbatch's batch size: dim 0 of its target, else of its first input
+    probe = chunks[-1] if target is not None else chunks[0] if chunks else ()
+    return Microbatches(
+        args=list(zip(*chunks[:num_args], strict=True)) if num_args else [() for _ in range(num)],
+        kwargs=[dict(zip(names, vs, strict=True)) for vs in zip(*per_kw, strict=True)]
+        if names
+        else [{} for _ in range(num)],
+        targets=targets,
+        sizes=[int(c.shape[0]) for c in probe] if probe else [1] * num,
+    )
+
+
 def split_microbatches(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
@@ -166,6 +209,9 @@ def split_microbatches(
 ) -> Microbatches:
     """Split tensor leaves on dim 0 (or the chunk spec's dim) into ``num`` near-equal parts."""
     spec = dict(chunk_spec or {})
+    plain = _split_plain(args, kwargs, target, num, spec)
+    if plain is not None:
+        return plain
     _check_rows(args, kwargs, target, spec)
     per_arg = [_split_value(a, num, spec.get(i, 0), f"argument {i}") for i, a in enumerate(args)]
     per_kw = {k: _split_value(v, num, spec.get(k, 0), f"argument {k!r}") for k, v in kwargs.items()}

@@ -32,9 +32,11 @@ def reduce_loss(
     failed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, gradient scale, failures) as 0-dim float64 tensors on ``device``, equal on
-    every rank. ``failures`` counts the processes that joined with ``failed=True`` (a
-    process whose step failed joins this closing collective instead of the rest of the
-    step, so that every rank learns of it: see Pipeline, CPU meshes).
+    every rank, nothing read on the host. ``failures`` counts the processes that joined
+    with ``failed=True`` (a process whose step failed joins this closing collective
+    instead of the rest of the step, so that every rank learns of it: see Pipeline, CPU
+    meshes; there runtime/failures/closing.py's ``reduce_loss_host`` computes the same on
+    the host).
 
     Mean losses are weighted by their microbatch's share: the loss is their sum, averaged
     over dp.

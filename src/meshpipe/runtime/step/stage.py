@@ -30,7 +30,7 @@ class LossRecord:
     """The last stage's loss for one microbatch: a mean loss and its share of the batch (the
     end of the step weights it), or a (sum, count) pair (share 1)."""
 
-    value: torch.Tensor  # 0-dim, detached, on the stage's device (never read on the host)
+    value: torch.Tensor  # 0-dim, detached, on the stage's device (read on the host on CPU only)
     count: torch.Tensor | None  # None: a mean loss, to be weighted by ``share``
     share: float = 1.0  # the microbatch's share of the batch (weights a mean loss)
 

@@ -30,6 +30,11 @@ class Channels:
         torch.distributed's per-call argument checks, a large part of a gloo send's cost)."""
         return tuple(dist.get_group_rank(self.data, g) for g in self.global_ranks)
 
+    @functools.cached_property
+    def ctrl_ranks(self) -> tuple[int, ...]:
+        """Process index -> rank in the ctrl group (as ``data_ranks``)."""
+        return tuple(dist.get_group_rank(self.ctrl, g) for g in self.global_ranks)
+
 
 def post_ops(ch: Channels, ops: list[Op]) -> list[Any]:
     """Post ``ops`` on the data group, together (``batch_isend_irecv``) where ``ch.batched``,

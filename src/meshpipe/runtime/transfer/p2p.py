@@ -83,6 +83,7 @@ class Comm:
         layout: Layout | None = None,
         rows: Sequence[int] = (),
         tp_mesh: Any = None,
+        tp_size: int | None = None,
     ) -> None:
         self.ch = channels
         self.rank = rank
@@ -92,7 +93,10 @@ class Comm:
         # DTensor values (only a tp > 1 mesh makes them) cross as full values and are rebuilt
         # on the receiver's tp mesh
         self.tp_mesh = tp_mesh
-        self._my_tp = 1 if tp_mesh is None else tp_mesh.size()
+        # ``tp_size``: ``tp_mesh.size()``, read once by the caller (a DeviceMesh call per step)
+        if tp_size is None:
+            tp_size = 1 if tp_mesh is None else tp_mesh.size()
+        self._my_tp = tp_size
         self._pp, self._d, _t = self.layout.place(self.layout.me)
         self._dp = self.layout.shape(self._pp)[0]
         self.timeout = timeout

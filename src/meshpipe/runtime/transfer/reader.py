@@ -66,8 +66,12 @@ class Reader:
     def _read_epoch(self, c: CtrlEnd) -> bool:
         """Read up to the epoch's terminator; False when the channel failed."""
         try:
+            end = wire.end_marker()
             while True:
                 header = c.ctrl_recv(self.peer, wire.HEADER_BYTES)
+                if torch.equal(header, end):  # the usual message: no JSON to parse
+                    self.items.put(("end", None))
+                    return True
                 fields = wire.read_header(header)
                 if "e" in fields:
                     self.items.put(("error", c.remote_error(fields)))

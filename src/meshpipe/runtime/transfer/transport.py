@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshpipe.runtime.failures.waits import Watchdog, translate, wait_work
 from meshpipe.runtime.transfer.channels import Channels, Op, post_ops
@@ -75,8 +74,10 @@ class Transport:
         )
 
     def ctrl_send(self, peer: int, buf: torch.Tensor) -> Any:
+        """Send a control message (uint8 bytes) to ``peer``, on the ctrl group itself (what
+        ``dist.isend`` ends in, without its per-call argument checks)."""
         try:
-            return dist.isend(buf, dst=self.ch.global_ranks[peer], group=self.ch.ctrl)
+            return self.ch.ctrl.send([buf], self.ch.ctrl_ranks[peer], 0)
         except RuntimeError as e:
             raise self.translated(e, "sending a control message", [peer]) from e
 
@@ -86,9 +87,7 @@ class Transport:
         waits on the reader's queue."""
         buf = torch.empty(size, dtype=torch.uint8)
         try:
-            work = dist.irecv(buf, src=self.ch.global_ranks[peer], group=self.ch.ctrl)
-            if work is not None:
-                work.wait()
+            self.ch.ctrl.recv([buf], self.ch.ctrl_ranks[peer], 0).wait()
         except RuntimeError as e:
             raise self.translated(e, "receiving a control message", [peer]) from e
         return buf
