@@ -102,6 +102,25 @@ def test_search_puts_the_heavy_pieces_alone() -> None:
     assert even is not None and plan.step_time <= even.step_time
 
 
+def test_a_dp_replica_runs_its_share_of_the_batch() -> None:
+    """A replica of dp d runs batch / (d x mb) rows per microbatch, as Pipeline runs it
+    (the rows were divided by dp twice: dp layouts were predicted at half their work)."""
+    prof = Profile(tuple(_piece(i, heavy=100.0) for i in range(4)), 64)
+    st = Settings(world_size=4, overhead=0.0, dp_bandwidth=1e30, p2p_latency=0.0)
+    for layout, mb in ((Layout(1, 4), 2), (Layout(2, 2), 4), (Layout(4, 1), 8)):
+        plan = judge(prof, layout, "1f1b", 1, mb, st)
+        assert plan is not None
+        rows = 64 / (layout.dp * mb)  # 8 rows per microbatch on every process
+        first = plan.stage_costs[0][0]
+        pieces = 4 // layout.pp
+        assert first == pytest.approx(pieces * (1e-4 + 1e-3 * rows)), (layout, mb)
+    # stage meshes: a stage with d processes runs rows / d
+    meshy = judge(prof, Layout(2, 1, 1, (3, 1)), "1f1b", 1, 2, st, [2])
+    assert meshy is not None
+    assert meshy.stage_costs[0][0] == pytest.approx(2 * (1e-4 + 1e-3 * 32 / 3))
+    assert meshy.stage_costs[1][0] == pytest.approx(2 * (1e-4 + 1e-3 * 32))
+
+
 def test_memory_cap_excludes_the_best_and_refuses_what_cannot_fit() -> None:
     # two processes: pure data parallelism (pp 1, dp 2) is fastest, but holds every
     # parameter; a cap below that leaves only pipelines, and shows pp 1 as over the cap

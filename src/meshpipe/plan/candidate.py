@@ -1,7 +1,8 @@
 """One candidate judged: a layout, schedule and microbatch count, split by DP, simulated.
 
-Stage costs come from the profile's pieces at the stage's rows per microbatch (``batch /
-(dp * mb)``, and over a stage mesh's dp). Checkpointing is switched on per stage only where
+Stage costs come from the profile's pieces at the rows each process of the stage runs per
+microbatch: ``batch / (mb * d)``, ``d`` the stage's dp processes (the layout's dp, or its
+stage mesh's). Checkpointing is switched on per stage only where
 the memory cap requires it. The simulator (``meshpipe.simulate``) gives the step's
 makespan; the data-parallel gradient reduction of each rank is added after its last
 action, and the runtime's fixed cost per step (``Settings.step_overhead``). No torch.
@@ -142,7 +143,7 @@ def judge(
         return None
     if sched.num_stages > n or sched.stages_per_rank != stages_per_rank:
         return None
-    rows_mb = profile.batch_size / (layout.dp * mb)
+    rows_mb = profile.batch_size / mb  # a microbatch's rows over a stage's dp processes
     sums = _Sums(profile)
     rank_of = sched.placement
     speed_tp = (1.0 + (layout.tp - 1) * st.tp_efficiency) / st.slowdown
