@@ -5,6 +5,7 @@ and DDP's reduction; the planner uses them with ``measure_machine=True`` (issue 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -71,7 +72,13 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
         cost.overhead,
         cost.step_overhead,
     )
-    assert a["dp_bandwidth"] == cost.dp_bandwidth and a["p2p_latency"] == link.latency
+    # a reduction not told from noise (inf) is not measured: the link's all-reduce stays
+    dp = cost.dp_bandwidth if math.isfinite(cost.dp_bandwidth) else link.allreduce_bandwidth
+    assert a["dp_bandwidth"] == dp and a["p2p_latency"] == link.latency
+    unmeasured = replace(cost, dp_bandwidth=math.inf)
+    monkeypatch.setattr(machine_mod, "measure_machine", lambda *a, **k: unmeasured)
+    kept = meshpipe.plan(model, world_size=2, measure_machine=True, profile=prof)
+    assert kept.assumptions["dp_bandwidth"] == link.allreduce_bandwidth
     default = meshpipe.plan(model, world_size=2, profile=prof)
     assert (default.assumptions["slowdown"], default.assumptions["step_overhead"]) == (1.0, 0.0)
     # the step overhead is in every prediction: the same plan, 10 ms more per step

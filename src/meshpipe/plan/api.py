@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -84,7 +85,8 @@ def plan(
     itself, what a profile in one process does not see (``meshpipe.plan.machine``): the
     compute ``slowdown`` when every process runs at once, the runtime's ``overhead`` per
     action and ``step_overhead`` per step, ``dp_bandwidth`` as the runtime's own dp
-    reduction costs it, and ``tp_efficiency`` from a tensor-parallel MLP block. The
+    reduction costs it (the link's all-reduce figure when that cannot be told from noise),
+    and ``tp_efficiency`` from a tensor-parallel MLP block. The
     arguments of the same names are the figures used otherwise (documented defaults;
     ``slowdown`` multiplies the profile's times; it is 1 for a ``profile=`` taken in every
     process at once, ``meshpipe.plan.together.profile_together``, whose times hold the
@@ -123,7 +125,8 @@ def plan(
         overhead, step_overhead = machine.overhead, machine.step_overhead
         # a profile taken in every process at once has the sharing in its times already
         slowdown = 1.0 if profile.notes.get("together") else machine.slowdown
-        dp_bandwidth = machine.dp_bandwidth
+        if math.isfinite(machine.dp_bandwidth):  # else not measured: the link's all-reduce
+            dp_bandwidth = machine.dp_bandwidth
         tp_efficiency = machine.tp_efficiency
     settings = Settings(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
