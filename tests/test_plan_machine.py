@@ -13,7 +13,13 @@ from torch import nn
 
 import meshpipe
 from meshpipe.plan import PlanError
-from meshpipe.plan.machine import MachineCost, _makespan, fit_runtime, measure_machine
+from meshpipe.plan.machine import (
+    MachineCost,
+    _makespan,
+    fit_runtime,
+    local_cores,
+    measure_machine,
+)
 from meshpipe.plan.profile import profile_model
 
 
@@ -51,6 +57,8 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
     assert 0.0 <= cost.overhead < 0.05 and 0.0 <= cost.step_overhead < 0.2, cost
     assert cost.dp_bandwidth > 1e6 and (math.isinf(cost.dp_bandwidth) or cost.dp_bandwidth < 1e12)
     assert 0.0 <= cost.tp_efficiency <= 1.0, cost
+    cores = local_cores("cpu")  # shared only when the processes outnumber the cores
+    assert cores >= 1 and cost.cores == (cores if cores < 2 else 0), cost
     (m1, t1), _, (m2, t2) = cost.points
     assert (m1, m2) == (2, 8) and t2 > t1 > 0, cost.points  # 8 microbatches take longer
 
@@ -67,10 +75,11 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
     prof = profile_model(model, (x,), target=y, loss_fn=loss_fn, repeats=1)
     measured = meshpipe.plan(model, world_size=2, measure_machine=True, profile=prof)
     a = measured.assumptions
-    assert (a["slowdown"], a["overhead"], a["step_overhead"]) == (
+    assert (a["slowdown"], a["overhead"], a["step_overhead"], a["cores"]) == (
         cost.slowdown,
         cost.overhead,
         cost.step_overhead,
+        cost.cores,
     )
     # a reduction not told from noise (inf) is not measured: the link's all-reduce stays
     dp = cost.dp_bandwidth if math.isfinite(cost.dp_bandwidth) else link.allreduce_bandwidth

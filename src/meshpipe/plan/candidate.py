@@ -4,8 +4,10 @@ Stage costs come from the profile's pieces at the rows each process of the stage
 microbatch: ``batch / (mb * d)``, ``d`` the stage's dp processes (the layout's dp, or its
 stage mesh's). Checkpointing is switched on per stage only where
 the memory cap requires it. The simulator (``meshpipe.simulate``) gives the step's
-makespan; the data-parallel gradient reduction of each rank is added after its last
-action, and the runtime's fixed cost per step (``Settings.step_overhead``). No torch.
+makespan (``plan/sharing.py``'s replay instead when the processes share fewer cores than
+they are, ``Settings.cores``); the data-parallel gradient reduction of each rank is added
+after its last action, and the runtime's fixed cost per step (``Settings.step_overhead``).
+No torch.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from meshpipe.errors import MeshpipeError
 from meshpipe.plan.costs import Affine, Profile
 from meshpipe.plan.dpsplit import best_split
 from meshpipe.plan.memory import held_peak, rank_memory
+from meshpipe.plan.sharing import shared_replay
 from meshpipe.plan.value import Plan
-from meshpipe.schedule.ir import Schedule
+from meshpipe.schedule.ir import Op, Schedule
 from meshpipe.schedule.registry import get_schedule
 from meshpipe.sim.simulate import Cost, simulate
 
@@ -51,8 +54,9 @@ class Settings:
     overhead: float = 5e-5  # seconds the runtime adds per action
     tp_efficiency: float = 0.8  # speedup of tp t is 1 + (t - 1) * efficiency
     fsdp: bool = False
-    slowdown: float = 1.0  # the profile's times x this: processes sharing the machine's cores
+    slowdown: float = 1.0  # the profile's times x this: processes contending (caches, memory)
     step_overhead: float = 0.0  # seconds the runtime adds per step (call check, closing)
+    cores: float = 0.0  # cores the processes share (plan/sharing.py); 0: one each (or a GPU)
 
     def as_dict(self) -> dict[str, float]:
         """The machine figures (``FIGURES``), as a plan's ``assumptions`` records them."""
@@ -67,7 +71,7 @@ class Settings:
 
 FIGURES = (
     "p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "tp_efficiency", "slowdown",
-    "step_overhead",
+    "step_overhead", "cores",
 )  # fmt: skip
 
 
@@ -241,9 +245,17 @@ def _step_time(
         rows = rows_mb / layout.dp_of(sched.placement[s])
         boundary = max(boundary, sums.pieces[bounds[s + 1] - 1].output.at(rows))
     p2p = st.p2p_latency + boundary / st.p2p_bandwidth
-    timeline = simulate(sched, Cost(f=f, b=b, w=w, p2p=p2p))
+    ws = w if w is not None else [0.0] * len(f)
+    if st.cores > 0:  # processes share the cores: each action at its share of them
+        table = {Op.F: f, Op.B: b, Op.I: [x - y for x, y in zip(b, ws)], Op.W: ws}
+        width = [layout.dp_of(r) * layout.tp for r in range(sched.num_ranks)]
+        events = shared_replay(
+            sched, lambda a: table[a.op][a.stage], p2p, width, int(st.cores)
+        )  # fmt: skip
+    else:
+        events = simulate(sched, Cost(f=f, b=b, w=w, p2p=p2p)).events
     step = 0.0
-    for r, row in enumerate(timeline.events):
+    for r, row in enumerate(events):
         end = max((e.end for e in row), default=0.0)
         d = layout.dp_of(r)
         if d > 1:
@@ -251,5 +263,4 @@ def _step_time(
             grads = sum(sums.grads[bounds[s + 1]] - sums.grads[bounds[s]] for s in own)
             end += st.p2p_latency + 2 * (d - 1) / d * grads / layout.tp / st.dp_bandwidth
         step = max(step, end + st.step_overhead)
-    ws = w if w is not None else [0.0] * len(f)
     return step, tuple(zip(f, b, ws)), p2p
