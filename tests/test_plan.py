@@ -238,6 +238,39 @@ def test_profile_and_plan_of_a_real_model() -> None:
     assert isinstance(plan, Plan) and plan.world_size == 2
 
 
+def test_profile_warms_up_every_size_first_and_drops_each_result() -> None:
+    """A first pass over every size only warms up (a process's first figures at small sizes
+    were up to twice a second profile's); a timed call never runs while the previous call's
+    result (a forward's graph) is alive, as in a stage whose backward frees it."""
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from meshpipe.plan.profile import _timed
+
+    alive: list[weakref.ref[torch.Tensor]] = []
+    seen: list[int] = []
+
+    def make() -> torch.Tensor:
+        seen.append(sum(r() is not None for r in alive))
+        t = torch.ones(4)
+        alive.append(weakref.ref(t))
+        return t
+
+    _timed(make, 4)
+    assert seen == [0] * 5  # the warm-up's and every timed call's predecessor is gone
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    rows: list[int] = []
+    model[0].register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    meshpipe.plan.profile_model(model, (torch.randn(8, 4),), repeats=1)
+    # sizes 1, 2, 4, 8: the warm-up pass (1 repeat) first, then the measured one (1 repeat);
+    # per size and pass the piece runs a warm-up call, its repeats and the ledger's forward
+    assert rows == [r for _ in range(2) for r in (1, 2, 4, 8) for _ in range(3)]
+
+
 def test_plan_is_public_and_pure_parts_need_no_torch() -> None:
     assert "plan" in meshpipe.__all__ and callable(meshpipe.plan)
     code = textwrap.dedent(

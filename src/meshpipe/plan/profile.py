@@ -5,9 +5,11 @@ a stage would: the same modules, the same glue), then each piece runs on the pre
 piece's outputs: its forward (the last piece's includes ``loss_fn``), its backward for
 inputs only (``torch.autograd.grad`` w.r.t. the inputs: ``I``) and its whole backward
 (inputs and weights: ``B``); the weight part is ``W = B - I``. Medians of ``repeats`` runs
-after a warm-up. Bytes: parameters, gradients, AdamW state (two fp32 moments per trainable
-element), what autograd saves for backward (a saved-tensors ledger, parameters and shared
-storages counted once and not at all), what enters and leaves each piece.
+after a warm-up run, each run's result dropped before the next, in a second pass over
+every size and piece (the first only warms up). Bytes: parameters, gradients, AdamW state
+(two fp32 moments per trainable element), what autograd saves for backward (a saved-tensors
+ledger, parameters and shared storages counted once and not at all), what enters and
+leaves each piece.
 """
 
 from __future__ import annotations
@@ -122,9 +124,15 @@ _CLOCK = _Clock(torch.device("cpu"))
 
 
 def _timed(fn: Callable[[], Any], repeats: int, clock: _Clock = _CLOCK) -> tuple[float, Any]:
+    """The median seconds of ``repeats`` calls of ``fn`` after a warm-up call, and the last
+    call's result. Each call's result is dropped before the next call (as a stage's
+    backward frees its forward's graph before the next microbatch's forward): a forward
+    run while the previous one's graph is alive allocates anew, which cost 30 % more on a
+    32 MB-logits head here."""
     out = fn()  # warm-up
     times = []
     for _ in range(repeats):
+        del out
         t0 = clock.now()
         out = fn()
         times.append(clock.now() - t0)
@@ -224,30 +232,43 @@ def profile_model(
     pieces, points, names = pieces_of(model, args, kwargs)
     every = [*model.parameters(), *(p for piece in pieces for p in piece.parameters())]
     params = {p.untyped_storage().data_ptr() for p in every}
-    runs: dict[int, list[dict[str, float]]] = {}
     first = next(iter(model.parameters()), None)
     clock = _Clock(first.device if first is not None else torch.device("cpu"), wall_clock)
     harness = _harness(max(repeats, 5), clock)
     was_training = model.training
     model.train()
     try:
-        for rows in _sizes(batch):
-            a, k = _rows(args, rows, batch), _rows(kwargs, rows, batch)
-            tgt = _rows(target, rows, batch)
-            value: Any = None
-            out: list[dict[str, float]] = []
-            for index, piece in enumerate(pieces):
-                last = index == len(pieces) - 1
-                finish = _finisher(loss_fn, tgt) if last else None
-                figures, value = _measure_piece(
-                    piece, index, value, a, k, finish, repeats, params, clock, harness
-                )
-                out.append(figures)
-            runs[rows] = out
+        _pass(pieces, args, kwargs, target, loss_fn, 1, batch, params, clock, harness)
+        runs = _pass(pieces, args, kwargs, target, loss_fn, repeats, batch, params, clock, harness)
     finally:
         model.train(was_training)
         model.zero_grad(set_to_none=True)
     return _assemble(pieces, points, names, runs, batch, model, harness)
+
+
+def _pass(
+    pieces: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+    loss_fn: Callable[..., Any] | None, repeats: int, batch: int, params: set[int],
+    clock: _Clock, harness: dict[str, float],
+) -> dict[int, list[dict[str, float]]]:  # fmt: skip
+    """Every size, every piece on the previous one's output: the figures per size. The
+    profile runs a first pass (one repeat) that only warms up: in a fresh process the first
+    figures at small sizes were up to twice those of a second profile (the allocator
+    growing, kernels chosen per shape), which the whole model's steps matched."""
+    runs: dict[int, list[dict[str, float]]] = {}
+    for rows in _sizes(batch):
+        a, k = _rows(args, rows, batch), _rows(kwargs, rows, batch)
+        tgt = _rows(target, rows, batch)
+        value: Any = None
+        out: list[dict[str, float]] = []
+        for index, piece in enumerate(pieces):
+            finish = _finisher(loss_fn, tgt) if index == len(pieces) - 1 else None
+            figures, value = _measure_piece(
+                piece, index, value, a, k, finish, repeats, params, clock, harness
+            )
+            out.append(figures)
+        runs[rows] = out
+    return runs
 
 
 def _finisher(loss_fn: Callable[..., Any] | None, target: Any) -> Callable[[Any], Any]:
