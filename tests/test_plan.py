@@ -267,8 +267,32 @@ def test_profile_warms_up_every_size_first_and_drops_each_result() -> None:
     model[0].register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
     meshpipe.plan.profile_model(model, (torch.randn(8, 4),), repeats=1)
     # sizes 1, 2, 4, 8: the warm-up pass (1 repeat) first, then the measured one (1 repeat);
-    # per size and pass the piece runs a warm-up call, its repeats and the ledger's forward
-    assert rows == [r for _ in range(2) for r in (1, 2, 4, 8) for _ in range(3)]
+    # per size and pass the piece runs a warm-up call, its repeat and the ledger's forward,
+    # then a fresh forward for each backward (split and whole) of a warm-up and its repeat
+    assert rows == [r for _ in range(2) for r in (1, 2, 4, 8) for _ in range(3 + 4)]
+
+
+def test_a_b_is_judged_as_the_runtime_runs_it_apart_from_i_and_w() -> None:
+    """The runtime's split backward (I, then W node by node) costs more than its B: a
+    profile keeps the B apart (``PieceCost.b``), a B action costs it and I / W the halves."""
+    t, z = Affine(1e-3, 0.0), Affine()
+    b = Affine(1.5e-3, 0.0)  # cheaper than i + w = 2 ms
+    pieces = tuple(
+        PieceCost(f"p{k}", None if k == 0 else f"p{k}", t, t, t, 0, 0, 0, z, z, z, b)
+        for k in range(4)
+    )
+    prof = Profile(pieces, 8)
+    assert Profile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
+    st = Settings(world_size=2, overhead=0.0)
+    one = judge(prof, Layout(2), "1f1b", 1, 2, st, [2])
+    split = judge(prof, Layout(2), "zbh1", 1, 2, st, [2])
+    assert one is not None and split is not None
+    assert [c[1] for c in one.stage_costs] == [pytest.approx(3e-3)] * 2  # 2 pieces x b
+    (f0, b0, w0), (f1, b1, w1) = split.stage_costs
+    assert (b0 - w0, w0) == (0.0, pytest.approx(3e-3))  # first stage: W is one whole B
+    assert (b1 - w1, w1) == (pytest.approx(2e-3), pytest.approx(2e-3))  # I and W halves
+    old = replace(pieces[0], b=None)  # a profile without b: B is i + w
+    assert old.full == old.i + old.w
 
 
 def test_plan_is_public_and_pure_parts_need_no_torch() -> None:

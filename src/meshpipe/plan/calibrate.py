@@ -127,8 +127,9 @@ def _ratio(target: float, predicted: float) -> float:
     return max(target, 0.0) / predicted if predicted > 0 else 1.0
 
 
-def _scaled(piece: PieceCost, rf: float, ri: float, rw: float) -> PieceCost:
-    return replace(piece, f=piece.f.scaled(rf), i=piece.i.scaled(ri), w=piece.w.scaled(rw))
+def _scaled(piece: PieceCost, rf: float, ri: float, rw: float, rb: float) -> PieceCost:
+    b = None if piece.b is None else piece.b.scaled(rb)
+    return replace(piece, f=piece.f.scaled(rf), i=piece.i.scaled(ri), w=piece.w.scaled(rw), b=b)
 
 
 def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -> Profile:
@@ -165,11 +166,12 @@ def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -
         rf = _ratio(mf - oh, f - oh)
         if split:
             rw = _ratio(mw - oh, w - oh)
-            # the first stage's I has nothing to compute: its W is the pieces' i and w
+            # the first stage's I has nothing to compute: its W is the pieces' whole backward
             ri = rw if bounds[s] == 0 else _ratio(mi - oh - recompute, b - w - oh)
+            rb = _ratio(mi + mw - 2 * oh - recompute, b - 2 * oh)  # a B as I and W together
         else:
-            ri = rw = _ratio(mi - oh - recompute, b - oh)
+            ri = rw = rb = _ratio(mi - oh - recompute, b - oh)
         for k in range(bounds[s], bounds[s + 1]):
-            pieces[k] = _scaled(pieces[k], rf, ri, rw)
+            pieces[k] = _scaled(pieces[k], rf, ri, rw, rb)
     notes = {**profile.notes, "calibrated": [list(c) for c in cal.measured]}
     return replace(profile, pieces=tuple(pieces), notes=notes)

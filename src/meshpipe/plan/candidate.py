@@ -94,7 +94,7 @@ class _Sums:
         if sums is None:
             sums = [0.0]
             for p in self.pieces:
-                a: Affine = getattr(p, key)
+                a: Affine = p.full if key == "b" else getattr(p, key)
                 sums.append(sums[-1] + a.at(rows))
             self.prefix[(key, rows)] = sums
         return max(0.0, sums[end] - sums[first])
@@ -105,6 +105,7 @@ class _Stage:
     f: float
     i: float
     w: float
+    b: float  # a whole backward (B); i and w are the split one's halves (I, W)
     static: float
     held: float
     transient: float
@@ -118,14 +119,15 @@ def _stage(
     f = sums.at("f", first, end, rows) / speed
     i = sums.at("i", first, end, rows) / speed
     w = sums.at("w", first, end, rows) / speed
+    b = sums.at("b", first, end, rows) / speed
     if first == 0:  # the model's inputs need no gradient: the first stage's I has nothing
-        i, w = 0.0, i + w  # to compute, and its W runs the whole backward
+        i, w = 0.0, b  # to compute, and its W runs the whole backward as one (a B's cost)
     saved = sums.at("saved", first, end, rows)  # tp shards some of it: not counted
     static = (sums.static[end] - sums.static[first]) / sh
     if ac:
         held = sums.pieces[first].input.at(rows)
-        return _Stage(f, i + f, w, static, held, saved, True)
-    return _Stage(f, i, w, static, saved, 0.0, False)
+        return _Stage(f, i + f, w, b + f, static, held, saved, True)
+    return _Stage(f, i, w, b, static, saved, 0.0, False)
 
 
 def judge(
@@ -155,6 +157,7 @@ def judge(
     inflight = [held_peak(sched, r, [1.0] * sched.num_stages) for r in range(pp)]
     cap = st.memory_per_rank
     single = sched.stages_per_rank == 1
+    split = sched.uses_split_backward
 
     def make(stage: int, first: int, end: int, ac: bool) -> _Stage:
         r = rank_of[stage]
@@ -169,7 +172,7 @@ def judge(
                 mem = s.static + inflight[stage] * s.held + s.transient
                 if mem > cap:
                     continue
-            best = min(best, s.f + s.i + s.w)
+            best = min(best, s.f + (s.i + s.w if split else s.b))
             if best < math.inf:
                 break  # without checkpointing it fits: never recompute for nothing
         return best
@@ -238,7 +241,7 @@ def _step_time(
     oh = st.overhead
     split = sched.uses_split_backward
     f = [s.f + oh for s in stages]
-    b = [s.i + s.w + (2 * oh if split else oh) for s in stages]
+    b = [s.i + s.w + 2 * oh if split else s.b + oh for s in stages]
     w = [s.w + oh for s in stages] if split else None
     boundary = 0.0
     for s in range(sched.num_stages - 1):

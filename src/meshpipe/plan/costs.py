@@ -86,7 +86,9 @@ class PieceCost:
     """One piece: ``point`` is the split point that begins it (None for the first).
 
     Times in seconds per microbatch of ``rows`` rows: ``f`` forward (the loss included on
-    the last piece), ``i`` backward for inputs, ``w`` backward for weights. Bytes:
+    the last piece), ``i`` backward for inputs and ``w`` backward for weights as the
+    runtime splits a backward (I and W), ``b`` the whole backward as the runtime runs a B
+    (None: ``i + w``; the split costs more than one B, its W runs node by node). Bytes:
     ``param_bytes`` (gradients as many, for the trainable ones: ``grad_bytes``),
     ``optimizer_bytes`` (AdamW: two fp32 moments per trainable element), ``saved`` the
     bytes autograd keeps from F to backward, ``input`` the bytes entering the piece
@@ -104,6 +106,12 @@ class PieceCost:
     saved: Affine
     input: Affine
     output: Affine
+    b: Affine | None = None
+
+    @property
+    def full(self) -> Affine:
+        """The whole backward (a B): ``b``, or ``i + w`` for a profile without it."""
+        return self.b if self.b is not None else self.i + self.w
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,9 @@ class Profile:
         pieces = []
         for p in _seq(data["pieces"]):
             values = dict(p)
-            for key in ("f", "i", "w", "saved", "input", "output"):
+            for key in ("f", "i", "w", "saved", "input", "output", "b"):
+                if values.get(key) is None:
+                    continue
                 a = dict(values[key])
                 a["points"] = tuple((float(r), float(v)) for r, v in a.get("points", ()))
                 values[key] = Affine(**a)

@@ -27,6 +27,7 @@ from torch import nn
 from meshpipe.errors import SplitError
 from meshpipe.plan.costs import Affine, PieceCost, Profile
 from meshpipe.plan.errors import PlanError
+from meshpipe.runtime.step.backward import backward_full, backward_input
 from meshpipe.split.api import call_stage, split
 from meshpipe.split.points import trunk_blocks
 
@@ -139,8 +140,46 @@ def _timed(fn: Callable[[], Any], repeats: int, clock: _Clock = _CLOCK) -> tuple
     return statistics.median(times), out
 
 
+def _backwards(
+    forward: Callable[[], Any], inputs: Any, repeats: int, clock: _Clock
+) -> tuple[float, float, float]:
+    """(I, W, B): the runtime's own split backward (``backward_input``, then the pending
+    ``WeightGrad.run``) and whole backward (``backward_full``), each on a fresh forward's
+    graph (they free it), median seconds of ``repeats`` after a warm-up; 0 when the
+    forward's output needs no gradient. The gradients accumulate into the parameters'
+    ``.grad`` as in a step (the caller clears them)."""
+    wanted = [t for t in _tensors(inputs) if t.requires_grad]
+
+    def graph() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        for t in wanted:
+            t.grad = None
+        roots = [t for t in _tensors(forward()) if t.requires_grad]
+        return roots, [torch.ones_like(t) for t in roots]
+
+    times: list[tuple[float, float, float]] = []
+    for k in range(repeats + 1):
+        roots, grads = graph()
+        if not roots:
+            return 0.0, 0.0, 0.0
+        t0 = clock.now()
+        _, pending = backward_input(roots, grads, wanted)
+        t1 = clock.now()
+        pending.run()
+        t2 = clock.now()
+        del roots, grads, pending
+        roots, grads = graph()
+        t3 = clock.now()
+        backward_full(roots, grads, wanted)
+        t4 = clock.now()
+        del roots, grads
+        if k:  # the first is a warm-up
+            times.append((t1 - t0, t2 - t1, t4 - t3))
+    i, w, b = (statistics.median(t[n] for t in times) for n in range(3))
+    return i, w, b
+
+
 def _harness(repeats: int, clock: _Clock) -> dict[str, float]:
-    """What timing a piece costs beyond its work: a forward call and the two gradient
+    """What timing a piece costs beyond its work: a forward call and the three backward
     calls of ``_measure_piece`` on a one-element piece. Taken out of every piece's figures,
     so that a stage of many pieces is not charged each piece's call overheads (the stage
     runs as one call and one backward; the runtime's own cost per action is the plan's
@@ -148,10 +187,10 @@ def _harness(repeats: int, clock: _Clock) -> dict[str, float]:
     dev = clock.device
     weight = torch.ones(1, device=dev, requires_grad=True)
     x = torch.ones(1, device=dev, requires_grad=True)
-    f, out = _timed(lambda: x * weight, repeats, clock)
-    i, _ = _timed(lambda: torch.autograd.grad(out, [x], retain_graph=True), repeats, clock)
-    b, _ = _timed(lambda: torch.autograd.grad(out, [x, weight], retain_graph=True), repeats, clock)
-    return {"f": f, "i": i, "b": b}
+    f, _ = _timed(lambda: x * weight, repeats, clock)
+    i, w, b = _backwards(lambda: x * weight, x, repeats, clock)
+    weight.grad = None
+    return {"f": f, "i": i, "w": w, "b": b}
 
 
 def _measure_piece(
@@ -171,26 +210,11 @@ def _measure_piece(
     ledger = _Ledger(params)
     with ledger.hooks():
         out = forward()
-    roots = [t for t in _tensors(out) if t.requires_grad]
-    wanted_in = [t for t in _tensors(inputs) if t.requires_grad]
-    weights = [p for p in piece.parameters() if p.requires_grad]
-    i = b = 0.0
-    if roots:
-        grads = [torch.ones_like(t) for t in roots]
-
-        def grad_of(of: list[torch.Tensor]) -> Callable[[], Any]:
-            return lambda: torch.autograd.grad(
-                roots, of, grads, retain_graph=True, allow_unused=True
-            )
-
-        if wanted_in:
-            i, _ = _timed(grad_of(wanted_in), repeats, clock)
-            i = max(0.0, i - harness["i"])
-        if wanted_in or weights:
-            b, _ = _timed(grad_of([*wanted_in, *weights]), repeats, clock)
-            b = max(0.0, b - harness["b"])
+    i, w, b = _backwards(forward, inputs, repeats, clock)
+    piece.zero_grad(set_to_none=True)
     figures = {
-        "f": f, "i": min(i, b), "w": max(0.0, b - i), "saved": float(ledger.bytes),
+        "f": f, "i": max(0.0, i - harness["i"]), "w": max(0.0, w - harness["w"]),
+        "b": max(0.0, b - harness["b"]), "saved": float(ledger.bytes),
         "input": float(_nbytes(value)), "output": float(_nbytes(out)),
     }  # fmt: skip
     return figures, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
@@ -307,6 +331,7 @@ def _assemble(
                 fit("saved"),
                 fit("input"),
                 fit("output"),
+                fit("b"),
             )  # fmt: skip
         )
     device = str(next(iter(model.parameters())).device) if list(model.parameters()) else "cpu"
