@@ -83,3 +83,20 @@ def test_fit_recovers_a_known_step_overhead_on_shared_cores(cores: int) -> None:
     assert fit_runtime(n, f, b, points, lat, oh, cores) == pytest.approx(step, rel=1e-6)
     if cores:  # the fit without the sharing would call the sharing a fixed cost
         assert fit_runtime(n, f, b, points, lat, oh) > 2 * step
+
+
+def test_a_plans_figures_plan_again() -> None:
+    """``Settings.figures_of(plan.assumptions)`` (floats, ``cores`` too) are ``plan``'s own
+    keyword arguments: planning again with them gives the same plan."""
+    import meshpipe
+    from meshpipe.plan import PlanError
+
+    prof = _profile()
+    first = meshpipe.plan(None, world_size=4, profile=prof, cores=2)
+    again = meshpipe.plan(
+        None, world_size=4, profile=prof, **Settings.figures_of(first.assumptions)
+    )
+    assert again == first and again.assumptions["cores"] == 2.0
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(PlanError, match="cores must be a whole number"):
+            meshpipe.plan(None, world_size=4, profile=prof, cores=bad)  # type: ignore[arg-type]

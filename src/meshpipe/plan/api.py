@@ -49,7 +49,7 @@ def plan(
     step_overhead: float = 0.0,
     slowdown: float = 1.0,
     tp_efficiency: float = 0.8,
-    cores: int = 0,
+    cores: float = 0,
     repeats: int = 3,
     profile: Profile | None = None,
     num_runners_up: int = 5,
@@ -101,7 +101,10 @@ def plan(
     _check_int("repeats", repeats)
     if memory_per_rank is not None:
         _check_int("memory_per_rank", memory_per_rank)
-    _check_int("cores", cores, low=0)
+    whole = isinstance(cores, int | float) and cores >= 0 and float(cores).is_integer()
+    if isinstance(cores, bool) or not whole:
+        raise PlanError(f"cores must be a whole number >= 0, got {cores!r}")
+    cores = int(cores)  # a plan's assumptions hold it as a float
     if not slowdown > 0 or step_overhead < 0 or overhead < 0 or not 0 <= tp_efficiency <= 1:
         raise PlanError(
             f"slowdown must be > 0, the overheads >= 0 and tp_efficiency in [0, 1], got "
