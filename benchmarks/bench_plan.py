@@ -5,12 +5,14 @@ layers among light ones; a model that needs a memory cap no single process meets
 for N processes, then measure in one spawn of N ranks (1 thread each) the step time of:
 the plan, its runners-up, the obvious default (an even split by layer count, 1f1b,
 microbatches = 2 x pp) and a small grid (1f1b / gpipe / zbh1 x 2, 4, 8 microbatches on the
-even split, and pure data parallelism). Reports measured/default, measured/best of all,
-predicted/measured, and, under a cap, the measured peak bytes (``pipe.memory_stats()``)
-against the cap and the prediction.
+even split, and pure data parallelism), each as a user runs it: one pipeline alive at a
+time, over ``--rounds`` rounds of every configuration in turn. Reports measured/default,
+measured/best (the best of those under the cap as measured), predicted/measured, and,
+under a cap, the measured peak bytes (``pipe.memory_stats()``) against the cap and the
+prediction.
 
-    .venv/bin/python benchmarks/bench_plan.py [--world 2] [--steps 12] [--json out.json]
-        [--measure-p2p] [--overhead SECONDS_PER_ACTION]
+    .venv/bin/python benchmarks/bench_plan.py [--world 2] [--steps 12] [--rounds 4]
+        [--json out.json] [--measure-p2p] [--measure-machine] [--calibrate]
 """
 
 from __future__ import annotations
