@@ -37,69 +37,80 @@ def shared_replay(
     timeline, each rank alone on its core). ``duration(a)`` is an action's time alone."""
     if cores <= 0 or sum(width) <= cores:
         return replay(schedule, duration, p2p)
-    w = wiring(schedule)
-    rows = schedule.actions
-    p = schedule.num_ranks
-    arrival: list[list[float]] = [[] for _ in range(p * p)]
-    consumed = [0] * (p * p)
-    pos = [0] * p
-    left = [0.0] * p  # work left in the running action (seconds alone), if running
-    started = [0.0] * p
-    running: set[int] = set()
-    timers: dict[int, float] = {}  # rank -> when its next action's message arrives
-    blocked: dict[int, int] = {}  # pair -> rank waiting for a message on it
-    events: list[list[Event]] = [[] for _ in range(p)]
+    return _Shared(schedule, duration, p2p, width, cores).run()
 
-    def begin(rank: int, now: float) -> None:
+
+class _Shared:
+    """The event-driven replay: ranks run, wait for a message, or wait for its arrival."""
+
+    def __init__(
+        self, schedule: Schedule, duration: Callable[[Action], float], p2p: float,
+        width: Sequence[int], cores: int,
+    ) -> None:  # fmt: skip
+        self.w, self.rows, self.p = wiring(schedule), schedule.actions, schedule.num_ranks
+        self.duration, self.p2p, self.width, self.cores = duration, p2p, width, cores
+        p = self.p
+        self.arrival: list[list[float]] = [[] for _ in range(p * p)]
+        self.consumed = [0] * (p * p)
+        self.pos = [0] * p
+        self.left = [0.0] * p  # work left in the running action (seconds alone)
+        self.started = [0.0] * p
+        self.running: set[int] = set()
+        self.timers: dict[int, float] = {}  # rank -> when its next action's message arrives
+        self.blocked: dict[int, int] = {}  # pair -> rank waiting for a message on it
+        self.events: list[list[Event]] = [[] for _ in range(p)]
+
+    def begin(self, rank: int, now: float) -> None:
         """Start ``rank``'s next action at ``now`` if its message is in, else wait."""
-        i = pos[rank]
-        if i >= len(rows[rank]):
+        i, p = self.pos[rank], self.p
+        if i >= len(self.rows[rank]):
             return
-        src = w.recv_peer[rank][i]
+        src = self.w.recv_peer[rank][i]
         if src >= 0:
             pair = src * p + rank
-            k = consumed[pair]
-            if k >= len(arrival[pair]):
-                blocked[pair] = rank
+            k = self.consumed[pair]
+            if k >= len(self.arrival[pair]):
+                self.blocked[pair] = rank
                 return
-            if arrival[pair][k] > now + _EPS:
-                timers[rank] = arrival[pair][k]
+            if self.arrival[pair][k] > now + _EPS:
+                self.timers[rank] = self.arrival[pair][k]
                 return
-            consumed[pair] = k + 1
-        left[rank], started[rank] = float(duration(rows[rank][i])), now
-        running.add(rank)
+            self.consumed[pair] = k + 1
+        self.left[rank], self.started[rank] = float(self.duration(self.rows[rank][i])), now
+        self.running.add(rank)
 
-    def end(rank: int, now: float) -> None:
-        i = pos[rank]
-        events[rank].append(Event(rank, rows[rank][i], started[rank], now))
-        running.discard(rank)
-        pos[rank] = i + 1
-        dst = w.send_peer[rank][i]
+    def end(self, rank: int, now: float) -> None:
+        i = self.pos[rank]
+        self.events[rank].append(Event(rank, self.rows[rank][i], self.started[rank], now))
+        self.running.discard(rank)
+        self.pos[rank] = i + 1
+        dst = self.w.send_peer[rank][i]
         if dst >= 0:
-            pair = rank * p + dst
-            arrival[pair].append(now + p2p)
-            woken = blocked.pop(pair, None)
+            pair = rank * self.p + dst
+            self.arrival[pair].append(now + self.p2p)
+            woken = self.blocked.pop(pair, None)
             if woken is not None:
-                begin(woken, now)
-        begin(rank, now)
+                self.begin(woken, now)
+        self.begin(rank, now)
 
-    now = 0.0
-    for rank in range(p):
-        begin(rank, now)
-    while running or timers:
-        busy = sum(width[r] for r in running)
-        rate = min(1.0, cores / busy) if busy else 1.0
-        step = min((left[r] / rate for r in running), default=float("inf"))
-        step = min(step, min((t - now for t in timers.values()), default=float("inf")))
-        now += max(step, 0.0)
-        for r in running:
-            left[r] -= step * rate
-        for r in [r for r in running if left[r] <= _EPS * max(1.0, now)]:
-            end(r, now)
-        for r in [r for r, t in timers.items() if t <= now + _EPS]:
-            del timers[r]
-            begin(r, now)
-    stuck = [r for r in range(p) if pos[r] < len(rows[r])]
-    if stuck:  # replay's own check names the deadlock; a valid schedule never gets here
-        raise SimulationError(f"shared_replay: ranks {stuck} never finished their actions")
-    return tuple(tuple(row) for row in events)
+    def run(self) -> tuple[tuple[Event, ...], ...]:
+        now = 0.0
+        for rank in range(self.p):
+            self.begin(rank, now)
+        while self.running or self.timers:
+            busy = sum(self.width[r] for r in self.running)
+            rate = min(1.0, self.cores / busy) if busy else 1.0
+            step = min((self.left[r] / rate for r in self.running), default=float("inf"))
+            step = min(step, min((t - now for t in self.timers.values()), default=float("inf")))
+            now += max(step, 0.0)
+            for r in self.running:
+                self.left[r] -= step * rate
+            for r in [r for r in self.running if self.left[r] <= _EPS * max(1.0, now)]:
+                self.end(r, now)
+            for r in [r for r, t in self.timers.items() if t <= now + _EPS]:
+                del self.timers[r]
+                self.begin(r, now)
+        stuck = [r for r in range(self.p) if self.pos[r] < len(self.rows[r])]
+        if stuck:  # replay's own check names a deadlock; a valid schedule never gets here
+            raise SimulationError(f"shared_replay: ranks {stuck} never finished their actions")
+        return tuple(tuple(row) for row in self.events)
