@@ -102,6 +102,25 @@ def test_search_puts_the_heavy_pieces_alone() -> None:
     assert even is not None and plan.step_time <= even.step_time
 
 
+def test_a_dp_replica_runs_its_share_of_the_batch() -> None:
+    """A replica of dp d runs batch / (d x mb) rows per microbatch, as Pipeline runs it
+    (the rows were divided by dp twice: dp layouts were predicted at half their work)."""
+    prof = Profile(tuple(_piece(i, heavy=100.0) for i in range(4)), 64)
+    st = Settings(world_size=4, overhead=0.0, dp_bandwidth=1e30, p2p_latency=0.0)
+    for layout, mb in ((Layout(1, 4), 2), (Layout(2, 2), 4), (Layout(4, 1), 8)):
+        plan = judge(prof, layout, "1f1b", 1, mb, st)
+        assert plan is not None
+        rows = 64 / (layout.dp * mb)  # 8 rows per microbatch on every process
+        first = plan.stage_costs[0][0]
+        pieces = 4 // layout.pp
+        assert first == pytest.approx(pieces * (1e-4 + 1e-3 * rows)), (layout, mb)
+    # stage meshes: a stage with d processes runs rows / d
+    meshy = judge(prof, Layout(2, 1, 1, (3, 1)), "1f1b", 1, 2, st, [2])
+    assert meshy is not None
+    assert meshy.stage_costs[0][0] == pytest.approx(2 * (1e-4 + 1e-3 * 32 / 3))
+    assert meshy.stage_costs[1][0] == pytest.approx(2 * (1e-4 + 1e-3 * 32))
+
+
 def test_memory_cap_excludes_the_best_and_refuses_what_cannot_fit() -> None:
     # two processes: pure data parallelism (pp 1, dp 2) is fastest, but holds every
     # parameter; a cap below that leaves only pipelines, and shows pp 1 as over the cap
@@ -214,36 +233,66 @@ def test_profile_and_plan_of_a_real_model() -> None:
     assert last.saved.at(8) > first.saved.at(8) > 0  # the head saves its logits' inputs
     assert last.param_bytes == (16 * 16 + 16 + 16 * 500 + 500) * 4
     assert Profile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
-    # B in one call measured beside the runtime's I and W (the zero-bubble split)
-    assert all(p.b is not None and p.b.at(8) > 0 for p in prof.pieces[1:])
     assert not any(p.grad is not None for p in model.parameters())
     plan = meshpipe.plan(model, (x,), y, loss_fn, world_size=2, profile=prof)
     assert isinstance(plan, Plan) and plan.world_size == 2
 
 
-def test_the_judge_takes_b_for_b_and_the_split_for_i_and_w() -> None:
-    """A schedule with B actions is judged with the pieces' whole backward ``b``; one that
-    splits it with their ``i`` and ``w`` (what the runtime's I and W cost, more than ``b``
-    together on small operations), except the first stage, whose W runs one B."""
-    t = Affine(1e-3, 0.0)
+def test_profile_warms_up_every_size_first_and_drops_each_result() -> None:
+    """A first pass over every size only warms up (a process's first figures at small sizes
+    were up to twice a second profile's); a timed call never runs while the previous call's
+    result (a forward's graph) is alive, as in a stage whose backward frees it."""
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from meshpipe.plan.profile import _timed
+
+    alive: list[weakref.ref[torch.Tensor]] = []
+    seen: list[int] = []
+
+    def make() -> torch.Tensor:
+        seen.append(sum(r() is not None for r in alive))
+        t = torch.ones(4)
+        alive.append(weakref.ref(t))
+        return t
+
+    _timed(make, 4)
+    assert seen == [0] * 5  # the warm-up's and every timed call's predecessor is gone
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    rows: list[int] = []
+    model[0].register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    meshpipe.plan.profile_model(model, (torch.randn(8, 4),), repeats=1)
+    # sizes 1, 2, 4, 8: the warm-up pass (1 repeat) first, then the measured one (1 repeat);
+    # per size and pass the piece runs a warm-up call, its repeat and the ledger's forward,
+    # then a fresh forward for each backward (split and whole) of a warm-up and its repeat
+    assert rows == [r for _ in range(2) for r in (1, 2, 4, 8) for _ in range(3 + 4)]
+
+
+def test_a_b_is_judged_as_the_runtime_runs_it_apart_from_i_and_w() -> None:
+    """The runtime's split backward (I, then W node by node) costs more than its B: a
+    profile keeps the B apart (``PieceCost.b``), a B action costs it and I / W the halves."""
+    t, z = Affine(1e-3, 0.0), Affine()
+    b = Affine(1.5e-3, 0.0)  # cheaper than i + w = 2 ms
     pieces = tuple(
-        replace(_piece(k), f=t, i=Affine(2e-3), w=Affine(3e-3), b=Affine(4e-3)) for k in range(4)
+        PieceCost(f"p{k}", None if k == 0 else f"p{k}", t, t, t, 0, 0, 0, z, z, z, b)
+        for k in range(4)
     )
     prof = Profile(pieces, 8)
+    assert Profile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
     st = Settings(world_size=2, overhead=0.0)
-    one = judge(prof, Layout(2), "1f1b", 1, 2, st, starts=[2])
-    zb = judge(prof, Layout(2), "zbh1", 1, 2, st, starts=[2])
-    assert one is not None and zb is not None
-    flat = [x for c in one.stage_costs for x in c]
-    assert flat == pytest.approx([2e-3, 8e-3, 0.0, 2e-3, 8e-3, 0.0])
-    # stage 0: I has nothing to compute, W is two pieces' b; stage 1: I 2 x 2 ms, W 2 x 3 ms
-    flat = [x for c in zb.stage_costs for x in c]
-    assert flat == pytest.approx([2e-3, 8e-3, 8e-3, 2e-3, 10e-3, 6e-3])
-    old = prof.to_dict()
-    for piece in old["pieces"]:
-        del piece["b"]  # a profile from before b was measured: B is i + w
-    again = judge(Profile.from_dict(old), Layout(2), "1f1b", 1, 2, st, starts=[2])
-    assert again is not None and list(again.stage_costs[1]) == pytest.approx([2e-3, 10e-3, 0.0])
+    one = judge(prof, Layout(2), "1f1b", 1, 2, st, [2])
+    split = judge(prof, Layout(2), "zbh1", 1, 2, st, [2])
+    assert one is not None and split is not None
+    assert [c[1] for c in one.stage_costs] == [pytest.approx(3e-3)] * 2  # 2 pieces x b
+    (f0, b0, w0), (f1, b1, w1) = split.stage_costs
+    assert (b0 - w0, w0) == (0.0, pytest.approx(3e-3))  # first stage: W is one whole B
+    assert (b1 - w1, w1) == (pytest.approx(2e-3), pytest.approx(2e-3))  # I and W halves
+    old = replace(pieces[0], b=None)  # a profile without b: B is i + w
+    assert old.full == old.i + old.w
 
 
 def test_plan_is_public_and_pure_parts_need_no_torch() -> None:

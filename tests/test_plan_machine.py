@@ -5,6 +5,7 @@ and DDP's reduction; the planner uses them with ``measure_machine=True`` (issue 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,13 @@ from torch import nn
 
 import meshpipe
 from meshpipe.plan import PlanError
-from meshpipe.plan.machine import MachineCost, _makespan, fit_runtime, measure_machine
+from meshpipe.plan.machine import (
+    MachineCost,
+    _makespan,
+    fit_runtime,
+    local_cores,
+    measure_machine,
+)
 from meshpipe.plan.profile import profile_model
 
 
@@ -50,6 +57,8 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
     assert 0.0 <= cost.overhead < 0.05 and 0.0 <= cost.step_overhead < 0.2, cost
     assert cost.dp_bandwidth > 1e6 and (math.isinf(cost.dp_bandwidth) or cost.dp_bandwidth < 1e12)
     assert 0.0 <= cost.tp_efficiency <= 1.0, cost
+    cores = local_cores("cpu")  # shared only when the processes outnumber the cores
+    assert cores >= 1 and cost.cores == (cores if cores < 2 else 0), cost
     (m1, t1), _, (m2, t2) = cost.points
     assert (m1, m2) == (2, 8) and t2 > t1 > 0, cost.points  # 8 microbatches take longer
 
@@ -66,12 +75,19 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
     prof = profile_model(model, (x,), target=y, loss_fn=loss_fn, repeats=1)
     measured = meshpipe.plan(model, world_size=2, measure_machine=True, profile=prof)
     a = measured.assumptions
-    assert (a["slowdown"], a["overhead"], a["step_overhead"]) == (
+    assert (a["slowdown"], a["overhead"], a["step_overhead"], a["cores"]) == (
         cost.slowdown,
         cost.overhead,
         cost.step_overhead,
+        cost.cores,
     )
-    assert a["dp_bandwidth"] == cost.dp_bandwidth and a["p2p_latency"] == link.latency
+    # a reduction not told from noise (inf) is not measured: the link's all-reduce stays
+    dp = cost.dp_bandwidth if math.isfinite(cost.dp_bandwidth) else link.allreduce_bandwidth
+    assert a["dp_bandwidth"] == dp and a["p2p_latency"] == link.latency
+    unmeasured = replace(cost, dp_bandwidth=math.inf)
+    monkeypatch.setattr(machine_mod, "measure_machine", lambda *a, **k: unmeasured)
+    kept = meshpipe.plan(model, world_size=2, measure_machine=True, profile=prof)
+    assert kept.assumptions["dp_bandwidth"] == link.allreduce_bandwidth
     default = meshpipe.plan(model, world_size=2, profile=prof)
     assert (default.assumptions["slowdown"], default.assumptions["step_overhead"]) == (1.0, 0.0)
     # the step overhead is in every prediction: the same plan, 10 ms more per step
@@ -137,7 +153,9 @@ def test_a_profile_taken_in_every_process_at_once(monkeypatch: pytest.MonkeyPatc
     assert both.notes["together"] == 2 and "together" not in alone.notes
     assert [p.name for p in both.pieces] == [p.name for p in alone.pieces]
     assert [p.param_bytes for p in both.pieces] == [p.param_bytes for p in alone.pieces]
-    assert all(p.f.at(8) > 0 for p in both.pieces)
+    # a tiny piece's wall time can fall below the timing harness's under load (0 then):
+    # the profile as a whole has measured its forward
+    assert sum(p.f.at(8) for p in both.pieces) > 0
     # the plan takes its sharing as measured: no slowdown on top
     import meshpipe.plan.link as link_mod
     import meshpipe.plan.machine as machine_mod

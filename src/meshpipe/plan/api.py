@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ def plan(
     step_overhead: float = 0.0,
     slowdown: float = 1.0,
     tp_efficiency: float = 0.8,
+    cores: float = 0,
     repeats: int = 3,
     profile: Profile | None = None,
     num_runners_up: int = 5,
@@ -82,19 +84,27 @@ def plan(
     ``measure_machine=True`` measures the link as ``measure_p2p`` does, then starts
     ``world_size`` local processes on the profile's device and measures, with the runtime
     itself, what a profile in one process does not see (``meshpipe.plan.machine``): the
-    compute ``slowdown`` when every process runs at once, the runtime's ``overhead`` per
-    action and ``step_overhead`` per step, ``dp_bandwidth`` as the runtime's own dp
-    reduction costs it, and ``tp_efficiency`` from a tensor-parallel MLP block. The
-    arguments of the same names are the figures used otherwise (documented defaults;
-    ``slowdown`` multiplies the profile's times; it is 1 for a ``profile=`` taken in every
-    process at once, ``meshpipe.plan.together.profile_together``, whose times hold the
-    sharing already).
+    compute ``slowdown`` when as many processes run at once as there are cores (``cores``:
+    the local CPU cores the processes share, when fewer than them; the search then replays
+    each candidate with every action at its share of the cores, ``meshpipe.plan.sharing``;
+    0, the default, gives each process a core or GPU of its own), the runtime's ``overhead``
+    per action and ``step_overhead`` per step, ``dp_bandwidth`` as the runtime's own dp
+    reduction costs it (the link's all-reduce figure when that cannot be told from noise),
+    and ``tp_efficiency`` from a tensor-parallel MLP block. The arguments of the same names
+    are the figures used otherwise (documented defaults; ``slowdown`` multiplies the
+    profile's times; it is 1, and ``cores`` 0, for a
+    ``profile=`` taken in every process at once, ``meshpipe.plan.together.profile_together``,
+    whose times hold the sharing already).
     """
     _check_int("world_size", world_size)
     _check_int("max_microbatches", max_microbatches)
     _check_int("repeats", repeats)
     if memory_per_rank is not None:
         _check_int("memory_per_rank", memory_per_rank)
+    whole = isinstance(cores, int | float) and cores >= 0 and float(cores).is_integer()
+    if isinstance(cores, bool) or not whole:
+        raise PlanError(f"cores must be a whole number >= 0, got {cores!r}")
+    cores = int(cores)  # a plan's assumptions hold it as a float
     if not slowdown > 0 or step_overhead < 0 or overhead < 0 or not 0 <= tp_efficiency <= 1:
         raise PlanError(
             f"slowdown must be > 0, the overheads >= 0 and tp_efficiency in [0, 1], got "
@@ -122,13 +132,17 @@ def plan(
         machine = measure_on(world_size, device, p2p_latency=p2p_latency)
         overhead, step_overhead = machine.overhead, machine.step_overhead
         # a profile taken in every process at once has the sharing in its times already
-        slowdown = 1.0 if profile.notes.get("together") else machine.slowdown
-        dp_bandwidth = machine.dp_bandwidth
+        together = bool(profile.notes.get("together"))
+        slowdown = 1.0 if together else machine.slowdown
+        cores = 0 if together else machine.cores
+        if math.isfinite(machine.dp_bandwidth):  # else not measured: the link's all-reduce
+            dp_bandwidth = machine.dp_bandwidth
         tp_efficiency = machine.tp_efficiency
     settings = Settings(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
         p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,
         slowdown=slowdown, step_overhead=step_overhead, tp_efficiency=tp_efficiency,
+        cores=cores,
     )  # fmt: skip
     if measured is not None:
         from meshpipe.plan.calibrate import calibrated_profile

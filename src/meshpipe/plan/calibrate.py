@@ -128,10 +128,8 @@ def _ratio(target: float, predicted: float) -> float:
 
 
 def _scaled(piece: PieceCost, rf: float, ri: float, rw: float, rb: float) -> PieceCost:
-    return replace(
-        piece, f=piece.f.scaled(rf), i=piece.i.scaled(ri), w=piece.w.scaled(rw),
-        b=piece.whole.scaled(rb),
-    )  # fmt: skip
+    b = None if piece.b is None else piece.b.scaled(rb)
+    return replace(piece, f=piece.f.scaled(rf), i=piece.i.scaled(ri), w=piece.w.scaled(rw), b=b)
 
 
 def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -> Profile:
@@ -166,16 +164,11 @@ def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -
     for s, ((f, b, w), (mf, mi, mw)) in enumerate(zip(again.stage_costs, cal.measured)):
         recompute = max(mf - oh, 0.0) if plan.activation_checkpointing[s] else 0.0
         rf = _ratio(mf - oh, f - oh)
-        if split and bounds[s] == 0:
-            # the first stage's I has nothing to compute: its W is the pieces' whole
-            # backward b (and the replay of a checkpointed stage)
-            replay = f - oh if plan.activation_checkpointing[s] else 0.0
-            ri = rw = rb = _ratio(mw - oh - recompute, w - oh - replay)
-        elif split:
+        if split:
             rw = _ratio(mw - oh, w - oh)
-            ri = _ratio(mi - oh - recompute, b - w - oh)
-            pi, pw = max(b - w - oh, 0.0), max(w - oh, 0.0)
-            rb = (ri * pi + rw * pw) / (pi + pw) if pi + pw > 0 else 1.0
+            # the first stage's I has nothing to compute: its W is the pieces' whole backward
+            ri = rw if bounds[s] == 0 else _ratio(mi - oh - recompute, b - w - oh)
+            rb = _ratio(mi + mw - 2 * oh - recompute, b - 2 * oh)  # a B as I and W together
         else:
             ri = rw = rb = _ratio(mi - oh - recompute, b - oh)
         for k in range(bounds[s], bounds[s + 1]):

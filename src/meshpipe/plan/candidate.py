@@ -1,10 +1,13 @@
 """One candidate judged: a layout, schedule and microbatch count, split by DP, simulated.
 
-Stage costs come from the profile's pieces at the stage's rows per microbatch (``batch /
-(dp * mb)``, and over a stage mesh's dp). Checkpointing is switched on per stage only where
+Stage costs come from the profile's pieces at the rows each process of the stage runs per
+microbatch: ``batch / (mb * d)``, ``d`` the stage's dp processes (the layout's dp, or its
+stage mesh's). Checkpointing is switched on per stage only where
 the memory cap requires it. The simulator (``meshpipe.simulate``) gives the step's
-makespan; the data-parallel gradient reduction of each rank is added after its last
-action, and the runtime's fixed cost per step (``Settings.step_overhead``). No torch.
+makespan (``plan/sharing.py``'s replay instead when the processes share fewer cores than
+they are, ``Settings.cores``); the data-parallel gradient reduction of each rank is added
+after its last action, and the runtime's fixed cost per step (``Settings.step_overhead``).
+No torch.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from meshpipe.errors import MeshpipeError
 from meshpipe.plan.costs import Affine, Profile
 from meshpipe.plan.dpsplit import best_split
 from meshpipe.plan.memory import held_peak, rank_memory
+from meshpipe.plan.sharing import shared_replay
 from meshpipe.plan.value import Plan
-from meshpipe.schedule.ir import Schedule
+from meshpipe.schedule.ir import Op, Schedule
 from meshpipe.schedule.registry import get_schedule
 from meshpipe.sim.simulate import Cost, simulate
 
@@ -50,8 +54,9 @@ class Settings:
     overhead: float = 5e-5  # seconds the runtime adds per action
     tp_efficiency: float = 0.8  # speedup of tp t is 1 + (t - 1) * efficiency
     fsdp: bool = False
-    slowdown: float = 1.0  # the profile's times x this: processes sharing the machine's cores
+    slowdown: float = 1.0  # the profile's times x this: processes contending (caches, memory)
     step_overhead: float = 0.0  # seconds the runtime adds per step (call check, closing)
+    cores: float = 0.0  # cores the processes share (plan/sharing.py); 0: one each (or a GPU)
 
     def as_dict(self) -> dict[str, float]:
         """The machine figures (``FIGURES``), as a plan's ``assumptions`` records them."""
@@ -66,7 +71,7 @@ class Settings:
 
 FIGURES = (
     "p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "tp_efficiency", "slowdown",
-    "step_overhead",
+    "step_overhead", "cores",
 )  # fmt: skip
 
 
@@ -89,7 +94,7 @@ class _Sums:
         if sums is None:
             sums = [0.0]
             for p in self.pieces:
-                a: Affine = p.whole if key == "b" else getattr(p, key)
+                a: Affine = p.full if key == "b" else getattr(p, key)
                 sums.append(sums[-1] + a.at(rows))
             self.prefix[(key, rows)] = sums
         return max(0.0, sums[end] - sums[first])
@@ -100,6 +105,7 @@ class _Stage:
     f: float
     i: float
     w: float
+    b: float  # a whole backward (B); i and w are the split one's halves (I, W)
     static: float
     held: float
     transient: float
@@ -107,34 +113,21 @@ class _Stage:
 
 
 def _stage(
-    sums: _Sums,
-    first: int,
-    end: int,
-    rows: float,
-    speed: float,
-    ac: bool,
-    sh: float,
-    split: bool,
+    sums: _Sums, first: int, end: int, rows: float, speed: float, ac: bool, sh: float
 ) -> _Stage:
-    """Pieces ``first..end-1`` as one stage: times over ``speed``, bytes per process.
-    ``split``: the schedule splits the backward (I and W, as the runtime splits it);
-    otherwise the stage's backward is one B, kept as ``i`` (``w`` 0)."""
+    """Pieces ``first..end-1`` as one stage: times over ``speed``, bytes per process."""
     f = sums.at("f", first, end, rows) / speed
-    if not split:
-        i, w = sums.at("b", first, end, rows) / speed, 0.0
-    elif first == 0:  # the model's inputs need no gradient: the first stage's I has nothing
-        i, w = 0.0, sums.at("b", first, end, rows) / speed  # to compute; W runs one B
-    else:
-        i = sums.at("i", first, end, rows) / speed
-        w = sums.at("w", first, end, rows) / speed
+    i = sums.at("i", first, end, rows) / speed
+    w = sums.at("w", first, end, rows) / speed
+    b = sums.at("b", first, end, rows) / speed
+    if first == 0:  # the model's inputs need no gradient: the first stage's I has nothing
+        i, w = 0.0, b  # to compute, and its W runs the whole backward as one (a B's cost)
     saved = sums.at("saved", first, end, rows)  # tp shards some of it: not counted
     static = (sums.static[end] - sums.static[first]) / sh
     if ac:
         held = sums.pieces[first].input.at(rows)
-        if split and first == 0:  # the first stage replays its forward at W
-            return _Stage(f, i, w + f, static, held, saved, True)
-        return _Stage(f, i + f, w, static, held, saved, True)
-    return _Stage(f, i, w, static, saved, 0.0, False)
+        return _Stage(f, i + f, w, b + f, static, held, saved, True)
+    return _Stage(f, i, w, b, static, saved, 0.0, False)
 
 
 def judge(
@@ -156,7 +149,7 @@ def judge(
         return None
     if sched.num_stages > n or sched.stages_per_rank != stages_per_rank:
         return None
-    rows_mb = profile.batch_size / (layout.dp * mb)
+    rows_mb = profile.batch_size / mb  # a microbatch's rows over a stage's dp processes
     sums = _Sums(profile)
     rank_of = sched.placement
     speed_tp = (1.0 + (layout.tp - 1) * st.tp_efficiency) / st.slowdown
@@ -169,7 +162,7 @@ def judge(
     def make(stage: int, first: int, end: int, ac: bool) -> _Stage:
         r = rank_of[stage]
         rows = rows_mb / layout.dp_of(r)
-        return _stage(sums, first, end, rows, speed_tp, ac, shards[r], split)
+        return _stage(sums, first, end, rows, speed_tp, ac, shards[r])
 
     def seg_cost(stage: int, first: int, end: int) -> float:
         best = math.inf
@@ -179,7 +172,7 @@ def judge(
                 mem = s.static + inflight[stage] * s.held + s.transient
                 if mem > cap:
                     continue
-            best = min(best, s.f + s.i + s.w)
+            best = min(best, s.f + (s.i + s.w if split else s.b))
             if best < math.inf:
                 break  # without checkpointing it fits: never recompute for nothing
         return best
@@ -248,16 +241,24 @@ def _step_time(
     oh = st.overhead
     split = sched.uses_split_backward
     f = [s.f + oh for s in stages]
-    b = [s.i + s.w + (2 * oh if split else oh) for s in stages]
+    b = [s.i + s.w + 2 * oh if split else s.b + oh for s in stages]
     w = [s.w + oh for s in stages] if split else None
     boundary = 0.0
     for s in range(sched.num_stages - 1):
         rows = rows_mb / layout.dp_of(sched.placement[s])
         boundary = max(boundary, sums.pieces[bounds[s + 1] - 1].output.at(rows))
     p2p = st.p2p_latency + boundary / st.p2p_bandwidth
-    timeline = simulate(sched, Cost(f=f, b=b, w=w, p2p=p2p))
+    ws = w if w is not None else [0.0] * len(f)
+    if st.cores > 0:  # processes share the cores: each action at its share of them
+        table = {Op.F: f, Op.B: b, Op.I: [x - y for x, y in zip(b, ws)], Op.W: ws}
+        width = [layout.dp_of(r) * layout.tp for r in range(sched.num_ranks)]
+        events = shared_replay(
+            sched, lambda a: table[a.op][a.stage], p2p, width, int(st.cores)
+        )  # fmt: skip
+    else:
+        events = simulate(sched, Cost(f=f, b=b, w=w, p2p=p2p)).events
     step = 0.0
-    for r, row in enumerate(timeline.events):
+    for r, row in enumerate(events):
         end = max((e.end for e in row), default=0.0)
         d = layout.dp_of(r)
         if d > 1:
@@ -265,5 +266,4 @@ def _step_time(
             grads = sum(sums.grads[bounds[s + 1]] - sums.grads[bounds[s]] for s in own)
             end += st.p2p_latency + 2 * (d - 1) / d * grads / layout.tp / st.dp_bandwidth
         step = max(step, end + st.step_overhead)
-    ws = w if w is not None else [0.0] * len(f)
     return step, tuple(zip(f, b, ws)), p2p

@@ -86,9 +86,9 @@ class PieceCost:
     """One piece: ``point`` is the split point that begins it (None for the first).
 
     Times in seconds per microbatch of ``rows`` rows: ``f`` forward (the loss included on
-    the last piece), ``i`` backward for inputs and ``w`` for weights as the runtime splits
-    it (I and W), ``b`` the whole backward in one call (B; None in profiles from before it
-    was measured: then ``i + w``). Bytes:
+    the last piece), ``i`` backward for inputs and ``w`` backward for weights as the
+    runtime splits a backward (I and W), ``b`` the whole backward as the runtime runs a B
+    (None: ``i + w``; the split costs more than one B, its W runs node by node). Bytes:
     ``param_bytes`` (gradients as many, for the trainable ones: ``grad_bytes``),
     ``optimizer_bytes`` (AdamW: two fp32 moments per trainable element), ``saved`` the
     bytes autograd keeps from F to backward, ``input`` the bytes entering the piece
@@ -109,8 +109,8 @@ class PieceCost:
     b: Affine | None = None
 
     @property
-    def whole(self) -> Affine:
-        """The whole backward B (``i + w`` where it was not measured)."""
+    def full(self) -> Affine:
+        """The whole backward (a B): ``b``, or ``i + w`` for a profile without it."""
         return self.b if self.b is not None else self.i + self.w
 
 
@@ -142,7 +142,7 @@ class Profile:
         for p in _seq(data["pieces"]):
             values = dict(p)
             for key in ("f", "i", "w", "saved", "input", "output", "b"):
-                if values.get(key) is None and key == "b":
+                if values.get(key) is None:
                     continue
                 a = dict(values[key])
                 a["points"] = tuple((float(r), float(v)) for r, v in a.get("points", ()))

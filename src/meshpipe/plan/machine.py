@@ -18,10 +18,11 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
   call check, the closing exchange, waits the simulator does not see).
 - **dp_bandwidth**: the gradient reduction as the runtime runs it for a data-parallel
   plan: ``meshpipe.Pipeline`` steps of a model with ``REDUCE_BYTES`` of gradients
-  (``REDUCE_ROWS`` rows) over every process as dp replicas (``dp="ddp"``), inside
-  ``no_sync()`` and outside; ``2 (n-1)/n x bytes`` over the difference. On a CPU the
-  reduction takes cores from the work around it, which an all-reduce timed alone does not
-  show.
+  (``REDUCE_ROWS`` rows) over every process as dp replicas (``dp="ddp"``), alternately
+  inside ``no_sync()`` and outside; ``2 (n-1)/n x bytes`` over the median difference of
+  the pairs (the slowest process's). It holds what the runtime does around the all-reduce
+  (gradients copied into one bucket and back, scaled), which an all-reduce timed alone does
+  not show. A difference not above 0 (noise) gives ``inf``: not measured.
 
 - **tp_efficiency**: an MLP block (``TP_WIDTH`` wide, 4x inside, ``TP_ROWS`` rows) forward
   and backward alone in one process, then tensor-parallel over every process (DTensor,
@@ -44,6 +45,8 @@ import torch
 from torch import nn
 
 from meshpipe.plan.errors import PlanError
+from meshpipe.plan.sharing import shared_replay
+from meshpipe.schedule.ir import Op
 from meshpipe.schedule.registry import get_schedule
 from meshpipe.sim.simulate import Cost, simulate
 
@@ -52,7 +55,7 @@ __all__ = ["MachineCost", "measure_machine"]
 log = logging.getLogger(__name__)
 
 REDUCE_BYTES = 8 << 20  # gradients of the DDP probe
-REDUCE_ROWS = 128  # its rows: a backward long enough for the reduction to overlap it
+REDUCE_ROWS = 16  # its rows: little compute, so that its noise hides little of the reduction
 PROBE_MICROBATCHES = (1, 2, 4)  # per pp rank: the step sizes the runtime is timed at
 PROBE_WIDTH, PROBE_DEPTH, PROBE_ROWS = (
     256,
@@ -74,6 +77,7 @@ class MachineCost:
     dp_bandwidth: float
     points: tuple[tuple[int, float], ...] = ()  # (microbatches, step seconds) of the probe
     tp_efficiency: float = 0.8  # speedup at tp = t is 1 + (t - 1) x this
+    cores: int = 0  # cores the processes share, when fewer than them (0: one each)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,21 +121,20 @@ def _workload(device: torch.device) -> Any:
     return run
 
 
-def _slowdown(device: torch.device, repeats: int) -> float | None:
-    """Rank 0's workload alone against every process running it at once; None on the other
-    ranks. While rank 0 runs alone the others sleep (a barrier's wait may spin on a core)."""
-    import torch.distributed as dist
-
+def _slowdown(device: torch.device, repeats: int, together: int) -> float | None:
+    """Rank 0's workload alone against ``together`` processes running it at once (the
+    others sleep: a barrier's wait may spin on a core); None on the other ranks."""
     run = _workload(device)
     alone = _alone(run, repeats)
-    together = _typical_time(run, repeats, dist.barrier)
-    return together / alone if alone else None
+    shared = _alone(run, repeats, together)
+    return shared / alone if alone and shared else None
 
 
-def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
+def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str, Any]:
     """A pipeline over every process (pp = n, 1f1b) of small MLP stages: the stage's forward
-    and forward + backward timed in every process at once (as the pipeline runs them),
-    then the step at two microbatch counts."""
+    and forward + backward timed in the ``running`` first processes at once (the most
+    that run together at full speed; None on the others), then the step at three
+    microbatch counts."""
     import torch.distributed as dist
 
     import meshpipe
@@ -146,8 +149,8 @@ def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
     torch.manual_seed(0)
     alone = stage().to(device)
     x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
-    f = _typical_time(lambda: alone(x), repeats, dist.barrier)
-    fb = _typical_time(lambda: alone(x).sum().backward(), repeats, dist.barrier)
+    f = _alone(lambda: alone(x), repeats, running)
+    fb = _alone(lambda: alone(x).sum().backward(), repeats, running)
     fb_cpu = _typical_time(lambda: alone(x).sum().backward(), repeats, clock=time.process_time)
     points, host = [], []
     for per_rank in PROBE_MICROBATCHES:
@@ -170,14 +173,17 @@ def _runtime_probe(device: torch.device, repeats: int) -> dict[str, Any]:
         points.append((mb, _typical_time(step, repeats, dist.barrier)))
         cpu = _typical_time(step, repeats, clock=time.process_time)
         host.append(max(0.0, cpu - mb * fb_cpu) / (2 * mb))  # 1f1b: 2 actions per mb
-    return {"f": f, "b": max(fb - f, 0.0), "steps": points, "host": host}
+    b = None if f is None or fb is None else max(fb - f, 0.0)
+    return {"f": f, "b": b, "steps": points, "host": host}
 
 
-def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
-    """(without, with) the reduction: seconds of a ``meshpipe.Pipeline`` step over every
-    process as dp replicas (``dp="ddp"``) of a model with ``REDUCE_BYTES`` of gradients,
-    inside ``no_sync()`` (no reduction) and outside (the runtime's own reduction, as a
-    data-parallel plan runs it)."""
+def _reduce_probe(device: torch.device, repeats: int) -> float:
+    """What the runtime's dp reduction adds to a step, in seconds: ``meshpipe.Pipeline``
+    steps over every process as dp replicas (``dp="ddp"``) of a model with ``REDUCE_BYTES``
+    of gradients, alternately inside ``no_sync()`` (no reduction) and outside (the
+    runtime's own reduction, as a data-parallel plan runs it); the median over ``repeats``
+    such pairs of their difference (pairs taken a moment apart see the same load, where two
+    separate series of steps need not)."""
     import torch.distributed as dist
 
     import meshpipe
@@ -192,19 +198,22 @@ def _reduce_probe(device: torch.device, repeats: int) -> tuple[float, float]:
     )
     x = torch.randn(REDUCE_ROWS, width, device=device)
 
-    def step() -> None:
+    def step() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
         pipe.step(x)
-        pipe.zero_grad(set_to_none=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        pipe.zero_grad(set_to_none=False)
+        return seconds
 
-    def local() -> None:
+    def local() -> float:
         with pipe.no_sync():
-            step()
+            return step()
 
-    plain = _typical_time(local, repeats, dist.barrier)
-    reduced = _typical_time(step, repeats, dist.barrier)
-    return plain, reduced
+    step(), local()  # warm-up
+    return statistics.median(step() - local() for _ in range(max(repeats, 3)))
 
 
 def _tp_probe(device: torch.device, repeats: int) -> float | None:
@@ -245,14 +254,15 @@ def _tp_probe(device: torch.device, repeats: int) -> float | None:
     return alone / together if alone is not None else None
 
 
-def _alone(fn: Any, repeats: int) -> float | None:
-    """``fn``'s typical seconds on rank 0 while the others sleep; None on the others."""
+def _alone(fn: Any, repeats: int, running: int = 1) -> float | None:
+    """``fn``'s typical seconds on the ranks below ``running``, which run it over and over
+    at once while the others sleep; None on the others."""
     import torch.distributed as dist
 
     fn()  # warm-up
     dist.barrier()
     times: list[float] = []
-    if dist.get_rank() == 0:
+    if dist.get_rank() < running:
         start = time.perf_counter()
         while len(times) < repeats and time.perf_counter() - start < ALONE_SECONDS:
             t0 = time.perf_counter()
@@ -264,7 +274,7 @@ def _alone(fn: Any, repeats: int) -> float | None:
     return _low(times) if times else None
 
 
-def _probe(device_type: str, repeats: int) -> dict[str, Any]:
+def _probe(device_type: str, repeats: int, cores: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import meshpipe
@@ -277,29 +287,47 @@ def _probe(device_type: str, repeats: int) -> dict[str, Any]:
         if device_type == "cuda"
         else torch.device("cpu")
     )
-    slowdown = _slowdown(device, repeats)
-    plain, reduced = _reduce_probe(device, repeats)
+    n = dist.get_world_size()
+    running = n if cores <= 0 else min(n, cores)  # at once, each at its full speed
+    slowdown = _slowdown(device, repeats, running)
+    exposed = _reduce_probe(device, repeats)
     speedup = _tp_probe(device, repeats)
-    probe = _runtime_probe(device, repeats)
+    probe = _runtime_probe(device, repeats, running)
     return {
-        "rank": rank, "slowdown": slowdown, "plain": plain, "ddp": reduced,
+        "rank": rank, "slowdown": slowdown, "exposed": exposed,
         "tp_speedup": speedup, **probe,
     }  # fmt: skip
 
 
-def _makespan(n: int, mb: int, f: float, b: float, p2p: float) -> float:
-    return simulate(get_schedule("1f1b", n, mb), Cost(f=f, b=b, p2p=p2p)).makespan
+def _makespan(n: int, mb: int, f: float, b: float, p2p: float, cores: int = 0) -> float:
+    sched = get_schedule("1f1b", n, mb)
+    if cores > 0:  # n processes on fewer cores: as the planner judges them
+        events = shared_replay(sched, lambda a: f if a.op is Op.F else b, p2p, [1] * n, cores)
+        return max(e.end for row in events for e in row)
+    return simulate(sched, Cost(f=f, b=b, p2p=p2p)).makespan
 
 
 def fit_runtime(
     n: int, f: float, b: float, points: list[tuple[int, float]], p2p_latency: float,
-    overhead: float,
+    overhead: float, cores: int = 0,
 ) -> float:  # fmt: skip
     """The step overhead: what 1f1b steps on ``n`` ranks whose stages take ``f`` and ``b``
     seconds took beyond the simulated ``makespan(f + overhead, b + overhead,
-    p2p_latency)``, the median over the ``(microbatches, seconds)`` points; not negative."""
-    rest = [t - _makespan(n, m, f + overhead, b + overhead, p2p_latency) for m, t in points]
+    p2p_latency)`` (on ``cores`` shared cores, as the planner judges: 0 for one each), the
+    median over the ``(microbatches, seconds)`` points; not negative."""
+    rest = [t - _makespan(n, m, f + overhead, b + overhead, p2p_latency, cores) for m, t in points]
     return max(0.0, statistics.median(rest))
+
+
+def local_cores(device: str) -> int:
+    """The cores this process may run on (CPU), which the job's local processes share; 0 on
+    CUDA (a GPU per process: the host's cores are not what bounds its speed)."""
+    if device != "cpu":
+        return 0
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 0
 
 
 def measure_machine(
@@ -326,23 +354,40 @@ def measure_machine(
         )
     t0 = time.perf_counter()
     log.info("measuring the machine with %d processes ...", num_processes)
-    got = run_on_ranks(_probe, num_processes, device, repeats, timeout=timeout, device=device)
+    cores = local_cores(device)
+    got = run_on_ranks(
+        _probe, num_processes, device, repeats, cores, timeout=timeout, device=device
+    )  # fmt: skip
     slowdown = max(1.0, next(g["slowdown"] for g in got if g["slowdown"] is not None))
-    exposed = max(g["ddp"] - g["plain"] for g in got)
+    exposed = max(g["exposed"] for g in got)  # the step waits for the slowest process
     n = num_processes
     reduced = 2 * (n - 1) / n * REDUCE_BYTES
     dp_bandwidth = reduced / exposed if exposed > 0 else float("inf")
+    if exposed <= 0:
+        log.warning(
+            "measure_machine: the dp reduction of %d bytes added %.2f ms to a step (noise); "
+            "dp_bandwidth is not measured (inf): the planner keeps its other figure",
+            REDUCE_BYTES, exposed * 1e3,
+        )  # fmt: skip
     points = [(mb, max(g["steps"][k][1] for g in got)) for k, (mb, _) in enumerate(got[0]["steps"])]
-    f, b = statistics.median(g["f"] for g in got), statistics.median(g["b"] for g in got)
+    f = statistics.median(g["f"] for g in got if g["f"] is not None)
+    b = statistics.median(g["b"] for g in got if g["b"] is not None)
     overhead = statistics.median(g["host"][-1] for g in got)  # the most actions per step
-    step = fit_runtime(n, f, b, points, p2p_latency, overhead)
+    shared = cores if 0 < cores < n else 0
+    step = fit_runtime(n, f, b, points, p2p_latency, overhead, shared)
     speedup = next(g["tp_speedup"] for g in got if g["tp_speedup"] is not None)
-    # the planner's speed at tp = t is (1 + (t - 1) x efficiency) / slowdown
-    tp_efficiency = min(1.0, max(0.0, (speedup * slowdown - 1.0) / (n - 1)))
-    cost = MachineCost(n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency)
+    # the planner's speed at tp = t is (1 + (t - 1) x efficiency) / slowdown, each process
+    # on a core of its own (the sharing of fewer cores is judged apart): as measured, x n /
+    # cores where the n processes had fewer
+    own = speedup * (n / shared if shared else 1.0)
+    tp_efficiency = min(1.0, max(0.0, (own * slowdown - 1.0) / (n - 1)))
+    cost = MachineCost(
+        n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency, shared
+    )  # fmt: skip
     log.info(
-        "machine measured in %.1f s: slowdown %.2f, overhead %.0f us per action, %.2f ms per "
-        "step, dp reduction %.2f GB/s, tp efficiency %.2f", time.perf_counter() - t0,
-        slowdown, overhead * 1e6, step * 1e3, dp_bandwidth / 1e9, tp_efficiency,
+        "machine measured in %.1f s: %d processes on %s cores, slowdown %.2f, overhead %.0f us "
+        "per action, %.2f ms per step, dp reduction %.2f GB/s, tp efficiency %.2f",
+        time.perf_counter() - t0, n, cores or "their own", slowdown, overhead * 1e6,
+        step * 1e3, dp_bandwidth / 1e9, tp_efficiency,
     )  # fmt: skip
     return cost

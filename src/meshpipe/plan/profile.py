@@ -2,14 +2,14 @@
 
 The model is cut with ``meshpipe.split`` at every block of its trunk (so each piece runs as
 a stage would: the same modules, the same glue), then each piece runs on the previous
-piece's outputs: its forward (the last piece's includes ``loss_fn``), its whole backward
-(inputs and weights: ``B``), and that backward split as the runtime splits it for the
-zero-bubble schedules (``runtime/step/backward.py``: ``I``, the inputs' gradients, and
-``W``, the weights', each of which costs more than half of B on small operations: I walks
-the graph, W calls the engine once per weight's node). Medians of ``repeats`` runs after a
-warm-up. Bytes: parameters, gradients, AdamW state (two fp32 moments per trainable
-element), what autograd saves for backward (a saved-tensors ledger, parameters and shared
-storages counted once and not at all), what enters and leaves each piece.
+piece's outputs: its forward (the last piece's includes ``loss_fn``), its backward for
+inputs only (``torch.autograd.grad`` w.r.t. the inputs: ``I``) and its whole backward
+(inputs and weights: ``B``); the weight part is ``W = B - I``. Medians of ``repeats`` runs
+after a warm-up run, each run's result dropped before the next, in a second pass over
+every size and piece (the first only warms up). Bytes: parameters, gradients, AdamW state
+(two fp32 moments per trainable element), what autograd saves for backward (a saved-tensors
+ledger, parameters and shared storages counted once and not at all), what enters and
+leaves each piece.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 from meshpipe.errors import SplitError
 from meshpipe.plan.costs import Affine, PieceCost, Profile
 from meshpipe.plan.errors import PlanError
-from meshpipe.runtime.step.backward import backward_input
+from meshpipe.runtime.step.backward import backward_full, backward_input
 from meshpipe.split.api import call_stage, split
 from meshpipe.split.points import trunk_blocks
 
@@ -125,47 +125,73 @@ _CLOCK = _Clock(torch.device("cpu"))
 
 
 def _timed(fn: Callable[[], Any], repeats: int, clock: _Clock = _CLOCK) -> tuple[float, Any]:
+    """The median seconds of ``repeats`` calls of ``fn`` after a warm-up call, and the last
+    call's result. Each call's result is dropped before the next call (as a stage's
+    backward frees its forward's graph before the next microbatch's forward): a forward
+    run while the previous one's graph is alive allocates anew, which cost 30 % more on a
+    32 MB-logits head here."""
     out = fn()  # warm-up
     times = []
     for _ in range(repeats):
+        del out
         t0 = clock.now()
         out = fn()
         times.append(clock.now() - t0)
     return statistics.median(times), out
 
 
-def _split_timed(
+def _backwards(
     forward: Callable[[], Any], inputs: Any, repeats: int, clock: _Clock
-) -> tuple[float, float]:
-    """Median seconds of the runtime's I and W of a fresh forward's graph (each run
-    consumes its graph), after a warm-up run."""
-    tensors = [t for t in _tensors(inputs) if t.requires_grad]
-    times: list[tuple[float, float]] = []
-    for _ in range(repeats + 1):
-        out = forward()
-        roots = [t for t in _tensors(out) if t.requires_grad]
-        grads = [torch.ones_like(t) for t in roots]
+) -> tuple[float, float, float]:
+    """(I, W, B): the runtime's own split backward (``backward_input``, then the pending
+    ``WeightGrad.run``) and whole backward (``backward_full``), each on a fresh forward's
+    graph (they free it), median seconds of ``repeats`` after a warm-up; 0 when the
+    forward's output needs no gradient. The gradients accumulate into the parameters'
+    ``.grad`` as in a step (the caller clears them)."""
+    wanted = [t for t in _tensors(inputs) if t.requires_grad]
+
+    def graph() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        for t in wanted:
+            t.grad = None
+        roots = [t for t in _tensors(forward()) if t.requires_grad]
+        return roots, [torch.ones_like(t) for t in roots]
+
+    times: list[tuple[float, float, float]] = []
+    for k in range(repeats + 1):
+        roots, grads = graph()
+        if not roots:
+            return 0.0, 0.0, 0.0
         t0 = clock.now()
-        _, weight = backward_input(roots, grads, tensors)
+        _, pending = backward_input(roots, grads, wanted)
         t1 = clock.now()
-        weight.run()
-        times.append((t1 - t0, clock.now() - t1))
-    times = times[1:]
-    return statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
+        pending.run()
+        t2 = clock.now()
+        del roots, grads, pending
+        roots, grads = graph()
+        t3 = clock.now()
+        backward_full(roots, grads, wanted)
+        t4 = clock.now()
+        del roots, grads
+        if k:  # the first is a warm-up
+            times.append((t1 - t0, t2 - t1, t4 - t3))
+    i, w, b = (statistics.median(t[n] for t in times) for n in range(3))
+    return i, w, b
 
 
 def _harness(repeats: int, clock: _Clock) -> dict[str, float]:
-    """What timing a piece costs beyond its work: a forward call, the gradient call of B,
-    and the runtime's I and W, of ``_measure_piece`` on a one-element piece. Taken out of
-    every piece's figures, so that a stage of many pieces is not charged each piece's call
-    overheads (the stage runs as one call and one backward; the runtime's own cost per
-    action is the plan's ``overhead``)."""
+    """What timing a piece costs beyond its work: a forward call and the three backward
+    calls of ``_measure_piece`` on a one-element piece. Taken out of every piece's figures,
+    so that a stage of many pieces is not charged each piece's call overheads (the stage
+    runs as one call and one backward; the runtime's own cost per action is the plan's
+    ``overhead``)."""
     dev = clock.device
     weight = torch.ones(1, device=dev, requires_grad=True)
     x = torch.ones(1, device=dev, requires_grad=True)
-    f, out = _timed(lambda: x * weight, repeats, clock)
-    b, _ = _timed(lambda: torch.autograd.grad(out, [x, weight], retain_graph=True), repeats, clock)
-    i, w = _split_timed(lambda: x * weight, x, repeats, clock)
+    f, _ = _timed(lambda: x * weight, repeats, clock)
+    i, _, b = _backwards(lambda: x * weight, x, repeats, clock)
+    # a W's fixed cost is its one last call: a graph of weights only (no boundary node).
+    # The calls per boundary node (one per weight-using op) are the pieces' own, and stay
+    _, w, _ = _backwards(lambda: weight * 2.0, (), repeats, clock)
     weight.grad = None
     return {"f": f, "i": i, "w": w, "b": b}
 
@@ -187,25 +213,11 @@ def _measure_piece(
     ledger = _Ledger(params)
     with ledger.hooks():
         out = forward()
-    roots = [t for t in _tensors(out) if t.requires_grad]
-    wanted_in = [t for t in _tensors(inputs) if t.requires_grad]
-    weights = [p for p in piece.parameters() if p.requires_grad]
-    i = w = b = 0.0
-    if roots and (wanted_in or weights):
-        grads = [torch.ones_like(t) for t in roots]
-        whole = [*wanted_in, *weights]
-        b, _ = _timed(
-            lambda: torch.autograd.grad(roots, whole, grads, retain_graph=True, allow_unused=True),
-            repeats,
-            clock,
-        )
-        b = max(0.0, b - harness["b"])
-        i, w = _split_timed(forward, inputs, repeats, clock)
-        i, w = max(0.0, i - harness["i"]), max(0.0, w - harness["w"])
-        for p in weights:
-            p.grad = None  # W accumulated into them
+    i, w, b = _backwards(forward, inputs, repeats, clock)
+    piece.zero_grad(set_to_none=True)
     figures = {
-        "f": f, "i": i, "w": w, "b": b, "saved": float(ledger.bytes),
+        "f": f, "i": max(0.0, i - harness["i"]), "w": max(0.0, w - harness["w"]),
+        "b": max(0.0, b - harness["b"]), "saved": float(ledger.bytes),
         "input": float(_nbytes(value)), "output": float(_nbytes(out)),
     }  # fmt: skip
     return figures, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
@@ -247,30 +259,43 @@ def profile_model(
     pieces, points, names = pieces_of(model, args, kwargs)
     every = [*model.parameters(), *(p for piece in pieces for p in piece.parameters())]
     params = {p.untyped_storage().data_ptr() for p in every}
-    runs: dict[int, list[dict[str, float]]] = {}
     first = next(iter(model.parameters()), None)
     clock = _Clock(first.device if first is not None else torch.device("cpu"), wall_clock)
     harness = _harness(max(repeats, 5), clock)
     was_training = model.training
     model.train()
     try:
-        for rows in _sizes(batch):
-            a, k = _rows(args, rows, batch), _rows(kwargs, rows, batch)
-            tgt = _rows(target, rows, batch)
-            value: Any = None
-            out: list[dict[str, float]] = []
-            for index, piece in enumerate(pieces):
-                last = index == len(pieces) - 1
-                finish = _finisher(loss_fn, tgt) if last else None
-                figures, value = _measure_piece(
-                    piece, index, value, a, k, finish, repeats, params, clock, harness
-                )
-                out.append(figures)
-            runs[rows] = out
+        _pass(pieces, args, kwargs, target, loss_fn, 1, batch, params, clock, harness)
+        runs = _pass(pieces, args, kwargs, target, loss_fn, repeats, batch, params, clock, harness)
     finally:
         model.train(was_training)
         model.zero_grad(set_to_none=True)
     return _assemble(pieces, points, names, runs, batch, model, harness)
+
+
+def _pass(
+    pieces: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+    loss_fn: Callable[..., Any] | None, repeats: int, batch: int, params: set[int],
+    clock: _Clock, harness: dict[str, float],
+) -> dict[int, list[dict[str, float]]]:  # fmt: skip
+    """Every size, every piece on the previous one's output: the figures per size. The
+    profile runs a first pass (one repeat) that only warms up: in a fresh process the first
+    figures at small sizes were up to twice those of a second profile (the allocator
+    growing, kernels chosen per shape), which the whole model's steps matched."""
+    runs: dict[int, list[dict[str, float]]] = {}
+    for rows in _sizes(batch):
+        a, k = _rows(args, rows, batch), _rows(kwargs, rows, batch)
+        tgt = _rows(target, rows, batch)
+        value: Any = None
+        out: list[dict[str, float]] = []
+        for index, piece in enumerate(pieces):
+            finish = _finisher(loss_fn, tgt) if index == len(pieces) - 1 else None
+            figures, value = _measure_piece(
+                piece, index, value, a, k, finish, repeats, params, clock, harness
+            )
+            out.append(figures)
+        runs[rows] = out
+    return runs
 
 
 def _finisher(loss_fn: Callable[..., Any] | None, target: Any) -> Callable[[Any], Any]:
@@ -315,6 +340,6 @@ def _assemble(
     device = str(next(iter(model.parameters())).device) if list(model.parameters()) else "cpu"
     notes: dict[str, Any] = {"sizes": sizes, "threads": torch.get_num_threads()}
     if harness is not None:
-        notes["harness"] = harness  # seconds taken out of each piece's f, i, w and b
+        notes["harness"] = harness  # seconds taken out of each piece's f, i and b
     log.info("profiled %d pieces at batch sizes %s", len(out), sizes)
     return Profile(tuple(out), batch, device, notes)

@@ -78,7 +78,7 @@ def profile_together(
         each = [p.pieces[k] for p in profiles]
         pieces.append(replace(
             piece, f=_median([p.f for p in each]), i=_median([p.i for p in each]),
-            w=_median([p.w for p in each]), b=_median([p.whole for p in each]),
+            w=_median([p.w for p in each]), b=_median([p.full for p in each]),
         ))  # fmt: skip
     notes = {**profiles[0].notes, "together": num_processes}
     log.info("profiled in %d processes at once", num_processes)
