@@ -26,7 +26,7 @@ from meshpipe.runtime.checks import values
 from meshpipe.runtime.failures.closing import _divide
 from meshpipe.testing import run_on_ranks
 
-from parity import mse
+from parity import OnCall, mse
 
 
 class Scaled(nn.Module):
@@ -122,19 +122,8 @@ def _body() -> dict[str, Any]:
     return out
 
 
-class Failing(nn.Module):
-    """A last stage that raises in its second forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == 2:
-            raise ValueError("the last stage broke on purpose")
-        return self.lin(x)
+def _broke() -> None:
+    raise ValueError("the last stage broke on purpose")
 
 
 def _eval_failing(mesh: Any, x: torch.Tensor) -> tuple[str, float]:
@@ -144,7 +133,7 @@ def _eval_failing(mesh: Any, x: torch.Tensor) -> tuple[str, float]:
     closing while its peer waited in the loss's)."""
     import time
 
-    stages: list[nn.Module] = [nn.Linear(16, 16), Failing()]
+    stages: list[nn.Module] = [nn.Linear(16, 16), OnCall(_broke, {2})]  # its 2nd forward
     pipe = meshpipe.Pipeline(
         stages, mesh, "1f1b", num_microbatches=2, loss_fn=lambda out: out.pow(2).mean(),
         timeout=30,

@@ -15,7 +15,7 @@ from torch import nn
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import blocks, grad_diff, mse
+from parity import OnCall, blocks, grad_diff, mse
 
 
 def _record_order(events: list[str]) -> None:
@@ -46,20 +46,13 @@ def _record_order(events: list[str]) -> None:
     Comm.end = end  # type: ignore[method-assign]
 
 
+def _broke() -> None:
+    raise ValueError("stage 1 broke on purpose")
+
+
 def _fails_on(calls: set[int]) -> nn.Module:
-    class Failing(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(16, 16)
-            self.calls = 0
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.calls += 1
-            if self.calls in calls:
-                raise ValueError("stage 1 broke on purpose")
-            return self.lin(x)
-
-    return Failing()
+    """A Linear stage that raises in its forward calls number ``calls``."""
+    return OnCall(_broke, calls)
 
 
 def _body() -> dict[str, Any]:

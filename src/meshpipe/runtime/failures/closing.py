@@ -111,24 +111,32 @@ def reduce_loss_host(
     exchange over ``pp_group`` posted ahead by the step (:func:`closing_ahead`), used or
     kept alive here."""
     try:
-        return _close(records, holds_last_stage, pp_group, dp_group, timeout, stage_meshes,
-                      failed, posted)  # fmt: skip
+        buf = _local_numbers(records, holds_last_stage, failed)
+        dp_size = 1
+        if stage_meshes:
+            what = "the loss all-reduce over the stage meshes"
+            buf = _sum_on_host(buf, pp_group, what, timeout, posted)
+        else:
+            if group_view(pp_group).size > 1:  # an all-reduce: any rank may flag a failure
+                buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout, posted)
+            if dp_group is not None:
+                buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
+                dp_size = group_view(dp_group).size
+        if buf[2] > 0.5 * dp_size:  # (sum, count) pairs; stage meshes: one 1 per contributor
+            loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
+        else:
+            loss, scale = buf[0] / dp_size, 1.0 / dp_size
+        return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3])
     except BaseException:
         if posted is not None:  # not used (an exchange that used them keeps its own)
             posted.keep()
         raise
 
 
-def _close(
-    records: Mapping[int, LossRecord],
-    holds_last_stage: bool,
-    pp_group: dist.ProcessGroup,
-    dp_group: dist.ProcessGroup | None,
-    timeout: float,
-    stage_meshes: bool,
-    failed: bool,
-    posted: Posted | None,
-) -> tuple[torch.Tensor, float, int]:
+def _local_numbers(
+    records: Mapping[int, LossRecord], holds_last_stage: bool, failed: bool
+) -> list[float]:
+    """This process's (weighted loss sum, count sum, pairs, failures) of the step."""
     buf = [0.0, 0.0, 0.0, 0.0]
     if failed:
         buf[3] = 1.0
@@ -149,21 +157,7 @@ def _close(
         buf[0] = total
         if pairs:
             buf[1], buf[2] = float(counts), 1.0
-    dp_size = 1
-    if stage_meshes:
-        what = "the loss all-reduce over the stage meshes"
-        buf = _sum_on_host(buf, pp_group, what, timeout, posted)
-    else:
-        if group_view(pp_group).size > 1:  # an all-reduce: any rank may flag a failure
-            buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout, posted)
-        if dp_group is not None:
-            buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
-            dp_size = group_view(dp_group).size
-    if buf[2] > 0.5 * dp_size:  # (sum, count) pairs; stage meshes: one 1 per contributor
-        loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
-    else:
-        loss, scale = buf[0] / dp_size, 1.0 / dp_size
-    return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3])
+    return buf
 
 
 def _divide(a: float, b: float) -> float:
