@@ -116,7 +116,7 @@ class StepDriver:
         split_pending: bool,
     ) -> Callable[[], None]:
         """Start checking a call (``modes``: the pipeline's train mode, and whether this call
-        trains); returns the gate that finishes the checks (see Pipeline._check_call)."""
+        trains); returns the gate that finishes the checks (see Pipeline._begin)."""
         self.blame.begin()
         self.status = RankStatus(phase="call check")  # no action of an earlier call
         if self.broken is not None:

@@ -7,7 +7,6 @@ step's own parts under runtime/step/, runtime/transfer/ and runtime/failures/.""
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -32,29 +31,27 @@ from meshpipe.runtime.pipeline.building import (
     stages_per_rank_of,
 )
 from meshpipe.runtime.pipeline.clipping import clip_grads
-from meshpipe.runtime.pipeline.context import context_parallel, refuse
+from meshpipe.runtime.pipeline.context import Call, context_parallel, refuse
 from meshpipe.runtime.pipeline.driver import StepDriver
 from meshpipe.runtime.pipeline.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.pipeline.from_plan import plan_arguments
-from meshpipe.runtime.pipeline.memory import SavedLedger, memory_stats
+from meshpipe.runtime.pipeline.memory import SavedLedger
 from meshpipe.runtime.pipeline.modules import initial_mode, stage_modules
 from meshpipe.runtime.pipeline.schedules import Schedules
-from meshpipe.runtime.pipeline.trace import save_trace
-from meshpipe.runtime.step.accumulate import Accumulator
+from meshpipe.runtime.pipeline.views import PipelineViews
+from meshpipe.runtime.step.accumulate import Accumulator, SetAside
 from meshpipe.runtime.step.compiling import CompileOption, compile_options
-from meshpipe.runtime.step.executor import ActionRecord
 from meshpipe.runtime.step.loss_target import check_target, target_use
 from meshpipe.runtime.step.microbatch import ChunkSpec
 from meshpipe.runtime.step.recompute import Policy, check_policy
 from meshpipe.runtime.step.stage import StageRunner
-from meshpipe.runtime.transfer.p2p import Comm
 from meshpipe.schedule.ir import Schedule
 from meshpipe.split.whole import WholeModel
 
 __all__ = ["Pipeline"]
 
 
-class Pipeline:
+class Pipeline(PipelineViews):
     """Runs ``model`` as a pipeline over ``mesh``'s pp axis with ``schedule``.
 
     ``model`` is a list of stage modules (one per stage of the schedule), an nn.Sequential
@@ -179,26 +176,6 @@ class Pipeline:
         pipe.plan = plan  # what meshpipe.plan(..., measured=pipe) compares the run with
         return pipe
 
-    def track_memory(self, on: bool = True) -> None:
-        """Record the peak memory of the steps from now on (``memory_stats()``): on CPU a
-        ledger of the tensors saved for backward (the steps cost a little more while on),
-        on CUDA the allocator's peak, reset here."""
-        self._ledger = SavedLedger() if on else None
-        if on and self.topology.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.topology.device)
-
-    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """This process's bytes: params, grads, optimizer (state of ``optimizer``),
-        activations (peak saved for backward since ``track_memory()``, else None) and peak
-        (CUDA: the allocator's; CPU: their sum). See runtime/pipeline/memory.py."""
-        return memory_stats(list(self.parameters()), self._ledger, self.topology.device, optimizer)
-
-    def _tracked(self) -> contextlib.AbstractContextManager[None]:
-        if self._ledger is None or self.topology.device.type == "cuda":
-            return contextlib.nullcontext()
-        self._ledger.exclude(self.parameters())
-        return self._ledger.active()
-
     # -- construction helpers ----------------------------------------------------------
     def _build_runners(self, modules: list[nn.Module]) -> None:
         opts = StageOptions(self.loss_fn, self._autocast, self._recompute, self._compile)
@@ -241,31 +218,7 @@ class Pipeline:
         """Eval behaviour on every stage of this rank: ``train(False)``."""
         return self.train(False)
 
-    # -- parameters --------------------------------------------------------------------
-    @property
-    def stages(self) -> list[nn.Module]:
-        """This rank's stage modules, in stage order."""
-        return [self._runners[s].module for s in sorted(self._runners)]
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their original model names."""
-        if self._whole is not None and self._whole.pending:
-            raise PipelineError(
-                "the model is split on the first step()/forward() (tracing needs its inputs); "
-                "ask for parameters (e.g. to build the optimizer) after that call"
-            )
-        seen: set[int] = set()
-        found: list[tuple[str, nn.Parameter]] = []
-        for module in self.stages:
-            for name, p in module.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    found.append((name, p))
-        return iter(found)  # not a generator: a pending split raises at the call
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return iter([p for _, p in self.named_parameters()])
-
+    # -- parameters (stages, named_parameters, parameters: pipeline/views.py) ---------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip to the global gradient norm over all stages and shards (pp, dp, tp; each tied
         weight once); returns the norm before clipping, the same everywhere. Call on every rank."""
@@ -277,78 +230,30 @@ class Pipeline:
             m.zero_grad(set_to_none=set_to_none)
 
     @property
-    def holds_last_stage(self) -> bool:
-        return (self.schedule.num_stages - 1) in self._runners
-
-    @property
     def _contributes(self) -> bool:
         """This process's loss records count (stage meshes: one tp rank per dp part)."""
         topo = self.topology
         return self.holds_last_stage and (not topo.stage_meshes or topo.coords["tp"] == 0)
 
-    @property
-    def _comm_now(self) -> Comm | None:
-        """The transfers of the last step, or of the one running (tests read them)."""
-        return self._driver.comm_now
-
-    def comm_stats(self) -> dict[str, Any]:
-        """Bytes this rank moved in the last step: sent on the pp axis (headers included),
-        and on the dp axis (ring all-reduce / all-gather + reduce-scatter, computed from the
-        parameter bytes) next to the minimum any data-parallel scheme must move. Per
-        boundary, ``"boundary_bytes"`` maps ``"act 0->1"`` / ``"grad 1->0"`` (pp ranks) to
-        the tensor bytes this process sent across it. With cp > 1, ``"cp_bytes"``: the bytes
-        this process sent over the cp group (attention's K/V all-gathers and their
-        backward)."""
-        stats = self._driver.comm_stats()
-        if self._cp is not None:
-            stats["cp_bytes"] = self._cp.bytes_sent
-        return stats
-
-    def timeline(self) -> list[ActionRecord]:
-        """Measured action times of the last step or forward on this rank."""
-        return list(self._driver.records)
-
-    def report(self) -> list[tuple[str, int, int, float]]:
-        """This rank's actions of the last step as ``(op, stage, mb, seconds)``, seconds from
-        the action's inputs being ready to its end. Against the plan, over every rank:
-        ``meshpipe.plan.measured.measure(pipe)`` (docs/plan.md, "Calibrate")."""
-        return [
-            (r.action.op.value, r.action.stage, r.action.mb, r.end - r.ready)
-            for r in self._driver.records
-        ]
-
-    def status(self) -> dict[str, Any]:
-        """What this rank is doing (or was doing when it failed), as a JSON-able dict."""
-        return self._driver.report()
-
-    def save_trace(self, path: str | os.PathLike[str]) -> None:
-        """Write the last step's measured timeline of every rank as one Chrome trace JSON.
-
-        Collective: every process calls it; global rank 0 writes the file. Waits longer
-        than 20 us before an action's inputs arrive appear as "wait" events.
-        """
-        save_trace(self._driver.records, path, self.schedule.name, self.topology.coords)
-
     # -- running -----------------------------------------------------------------------
-    def _check_call(
-        self,
-        call: str,
-        schedule: Schedule,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        target: Any,
-        training: bool,
-    ) -> Callable[[], None]:
-        """Start checking a call; returns the *gate* that finishes the checks, identically on
-        every rank: the pp ranks agree that they were given the same call (``check_inputs``;
-        the digests travel while the step begins), then the local checks run. The runtime
-        passes the gate before its first transfer, so a refused call moves no data."""
+    def _begin(
+        self, what: str, schedule: Schedule, call: Call, training: bool
+    ) -> tuple[Call, Callable[[], None]]:
+        """Start a call: returns it (cp > 1: this process's sequence chunks of it) and the
+        *gate* that finishes the checks, identically on every rank: the pp ranks agree that
+        they were given the same call (``check_inputs``; the digests travel while the step
+        begins), then the local checks run. The runtime passes the gate before its first
+        transfer, so a refused call moves no data. A whole model is split here if pending."""
         pending = self._whole is not None and self._whole.pending
         modes = (self._training, training)
         has_loss = self.loss_fn is not None
-        return self._driver.check_call(
-            call, schedule, args, kwargs, target, modes, has_loss, split_pending=pending
+        gate = self._driver.check_call(
+            what, schedule, *call, modes, has_loss, split_pending=pending
         )
+        if self._cp is not None:
+            call = self._cp.cut(call, gate, self.check_inputs)
+        self._ensure_split(call[0], call[1])
+        return call, gate
 
     def step(
         self,
@@ -374,38 +279,29 @@ class Pipeline:
         what = (
             f"step (grad_scale {grad_scale}, {'synced' if self._accumulate.synced else 'no_sync'})"
         )
-        gate = self._check_call(what, sched, args, kwargs, target, training=True)
-        call = self._cp_cut((args, kwargs, target), gate)
-        args, kwargs, target = call
-        self._ensure_split(args, kwargs)
+        call, gate = self._begin(what, sched, (args, kwargs, target), training=True)
         last = self._runners.get(sched.num_stages - 1)
         if last is not None:
             last.keep_outputs = return_outputs
-        params = list(self.parameters())
-        stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        aside = SetAside(list(self.parameters()))
         try:
             with self._tracked(), self._cp_scope():
                 losses = self._driver.run(sched, self._runners, call, True, gate, self.chunk_spec)
         except BaseException as e:
             if getattr(e, "meshpipe_refusal", False):  # nothing ran: gradients as they were
-                for p, old in zip(params, stash, strict=True):
-                    p.grad = old
+                aside.put_back()
             raise
         self._driver.status.phase = "reduce"
-        self._accumulate.unstash(params, stash)
+        self._accumulate.unstash(aside.params, aside.held)
         gs = 1.0 if grad_scale is None else grad_scale
         try:
-            loss = self._driver.reduce(losses, params, gs, self._whole, self._contributes)
+            loss = self._driver.reduce(losses, aside.params, gs, self._whole, self._contributes)
         except BaseException as e:
             err = self._driver.reduce_failed(e)  # reported, the culprit claimed or named
             if err is e:
                 raise
             raise err from e
-        for p, old in zip(params, stash):
-            if old is not None:
-                p.grad = old if p.grad is None else p.grad.add_(old)
+        aside.add_back()
         self._driver.done()
         self._cp_checked()
         if return_outputs:
@@ -427,9 +323,7 @@ class Pipeline:
         share, averaged over dp)."""
         check_target("eval_step", self.loss_fn, self._loss_use, target)  # as step()
         infer = self._schedules.inference(num_microbatches)
-        gate = self._check_call("eval_step", infer, args, kwargs, target, training=False)
-        args, kwargs, target = self._cp_cut((args, kwargs, target), gate)
-        self._ensure_split(args, kwargs)
+        call, gate = self._begin("eval_step", infer, (args, kwargs, target), training=False)
         last = self._runners.get(infer.num_stages - 1)
         scored: list[Any] = []  # loss_fn and metrics_fn run inside the step (driver.run)
 
@@ -438,7 +332,6 @@ class Pipeline:
                 eval_records(last, self._driver.last_mbs, metrics_fn, self.topology.device)
             )
 
-        call = (args, kwargs, target)
         with self._cp_scope():
             self._driver.run(infer, self._runners, call, False, gate, self.chunk_spec, score)
         records, metrics = scored
@@ -456,12 +349,6 @@ class Pipeline:
         dp_group = self.topology.dp_group if self.topology.stage_meshes else None  # parts
         runner = self._runners.get(sched.num_stages - 1)
         return take_outputs(runner, sched, dp_group, self._driver.whole_rows, self.timeout)
-
-    def _cp_cut(
-        self, call: tuple[tuple[Any, ...], dict[str, Any], Any], gate: Callable[[], None]
-    ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        """cp > 1: this process's sequence chunks of the call (else the call itself)."""
-        return call if self._cp is None else self._cp.cut(call, gate, self.check_inputs)
 
     def _cp_scope(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if self._cp is None else self._cp.scope()
@@ -485,9 +372,8 @@ class Pipeline:
         """Inference: the merged output on ranks holding the last stage, None elsewhere."""
         refuse(self._cp, "forward()")
         infer = self._schedules.inference(num_microbatches)
-        gate = self._check_call("forward", infer, args, kwargs, None, training=False)
-        self._ensure_split(args, kwargs)
-        self._driver.run(infer, self._runners, (args, kwargs, None), False, gate, self.chunk_spec)
+        call, gate = self._begin("forward", infer, (args, kwargs, None), training=False)
+        self._driver.run(infer, self._runners, call, False, gate, self.chunk_spec)
         if reads_closing(self.topology.device):  # the closing collective (closing.py)
             self._driver.stop_if_failed(closing_status(self.topology.pp_group, False, self.timeout))
         self._driver.done()

@@ -14,7 +14,7 @@ from meshpipe.errors import PipelineError
 from meshpipe.runtime.failures.waits import Watchdog
 from meshpipe.runtime.step.reduce import reduce_grads
 
-__all__ = ["Accumulator"]
+__all__ = ["Accumulator", "SetAside"]
 
 
 class Accumulator:
@@ -101,3 +101,23 @@ class Accumulator:
         self._kept.clear()
         for part, group in groups:
             reduce_grads(part, 1.0, group, timeout, watchdog)
+
+
+class SetAside:
+    """A step's gradients start from None: what ``.grad`` held is set aside, put back as it
+    was when the call is refused (nothing ran), or added to the step's after its reduction."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params = list(params)
+        self.held = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def put_back(self) -> None:
+        for p, old in zip(self.params, self.held, strict=True):
+            p.grad = old
+
+    def add_back(self) -> None:
+        for p, old in zip(self.params, self.held, strict=True):
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)

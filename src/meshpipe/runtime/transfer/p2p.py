@@ -113,7 +113,7 @@ class Comm:
         self._markers: list[tuple[Any, int]] = []  # end markers sent, not yet waited for
         self._watchdog = watchdog  # set on CUDA: device waits are stream waits, bounded by it
         self._next_position = 0
-        # checks to pass before the first transfer of the step (see Pipeline._check_call)
+        # checks to pass before the first transfer of the step (see Pipeline._begin)
         self.gate: Callable[[], None] | None = None
         # debugging aid: run the program under the validator's model, each group waited for
         # (sends too) before the next is posted; on gloo, where large sends are rendezvous,
