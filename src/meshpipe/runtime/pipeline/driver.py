@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ from meshpipe.runtime.transfer.channels import Channels
 from meshpipe.runtime.transfer.descs import DescCache
 from meshpipe.runtime.transfer.exchange import Posted
 from meshpipe.runtime.transfer.p2p import Comm
-from meshpipe.runtime.transfer.reader import Reader
+from meshpipe.runtime.transfer.reader import Reader, stop_readers
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.program import P2P, program_positions
 from meshpipe.split.guards import check_traced_shapes
@@ -91,6 +92,7 @@ class StepDriver:
         self.descs = DescCache()
         self.signatures: dict[Any, list[Any]] = {}  # see _signatures
         self.readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
+        weakref.finalize(self, stop_readers, self.readers)
         self.watchdog = Watchdog() if topo.device.type == "cuda" else None
         self.comm_now: Comm | None = None
         self.broken: str | None = None  # why this pipeline's groups can no longer be used

@@ -15,7 +15,7 @@ from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.runtime.failures import waiting
 from meshpipe.runtime.transfer import wire
 
-__all__ = ["Reader", "CtrlEnd"]
+__all__ = ["Reader", "CtrlEnd", "stop_readers"]
 
 
 class CtrlEnd(Protocol):
@@ -54,6 +54,11 @@ class Reader:
         self._comm = comm
         self.error = None
         self.error_queued = False
+        self._epochs.release()
+
+    def stop(self) -> None:
+        """End the thread between steps (its pipeline is gone)."""
+        self._comm = None
         self._epochs.release()
 
     def _run(self) -> None:
@@ -139,3 +144,10 @@ class Reader:
                 if kind == "error":
                     return item  # type: ignore[no-any-return]
         return None
+
+
+def stop_readers(readers: dict[int, Reader]) -> None:
+    """End the threads of a pipeline that is gone (a finalizer of its driver: each thread
+    would otherwise wait for a next step for the process's life)."""
+    for reader in readers.values():
+        reader.stop()
