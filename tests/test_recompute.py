@@ -5,6 +5,8 @@ times fewer bytes saved for backward. One spawn of 2 ranks."""
 from __future__ import annotations
 
 import copy
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -89,12 +91,18 @@ def _peak_saved(mesh: Any, name: str, policy: Any) -> tuple[float, float]:
         assert box.t is not None
         return box.t
 
-    runner = StageRunner.forward, StageRunner.backward, StageRunner.weight
+    runner = (
+        StageRunner.forward,
+        StageRunner.backward,
+        StageRunner.weight,
+        StageRunner.replay_early,
+    )
     box_pack, release = slim.Boxes._pack, slim.Boxes.release
 
     def counted(method: Any) -> Any:
         def run(self: StageRunner, *args: Any, **kwargs: Any) -> Any:
-            # F, and the replays of B, I, and W (the first stage replays at W)
+            # F, and the replays of B, I, and W (the first stage replays at W; B and I
+            # usually replay before their gradients are taken: replay_early)
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 return method(self, *args, **kwargs)
 
@@ -128,12 +136,19 @@ def _peak_saved(mesh: Any, name: str, policy: Any) -> tuple[float, float]:
     x, y = torch.randn(32, D), torch.randn(32, D)
     pipe.step(x, target=y)
     params.update(p.untyped_storage().data_ptr() for p in pipe.parameters())
-    StageRunner.forward, StageRunner.backward, StageRunner.weight = map(counted, runner)  # type: ignore[method-assign]
+    (StageRunner.forward, StageRunner.backward, StageRunner.weight, StageRunner.replay_early) = map(  # type: ignore[method-assign]
+        counted, runner
+    )
     slim.Boxes._pack, slim.Boxes.release = counted_pack, counted_release  # type: ignore[method-assign]
     try:
         pipe.step(x, target=y)
     finally:
-        StageRunner.forward, StageRunner.backward, StageRunner.weight = runner  # type: ignore[method-assign]
+        (
+            StageRunner.forward,
+            StageRunner.backward,
+            StageRunner.weight,
+            StageRunner.replay_early,
+        ) = runner  # type: ignore[method-assign]
         slim.Boxes._pack, slim.Boxes.release = box_pack, release  # type: ignore[method-assign]
     pipe.track_memory()
     pipe.step(x, target=y)
@@ -251,6 +266,52 @@ def _traced_per_block(mesh: Any, name: str) -> dict[str, float]:
     }
 
 
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward sleeps: the stage before waits for its gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        threading.Event().wait(0.15)
+        return g
+
+
+class _Slow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x)
+
+
+def _replayed_before_gradients(mesh: Any, name: str) -> list[bool]:
+    """Per backward action (B on 1f1b, I on zbv) of the replayed stage that takes its
+    gradients from the other rank (1f1b: stage 0; zbv: stage 2, fed by stage 3 on rank
+    0), whether its forward ran again while the gradients were awaited; the stage after
+    it sleeps 0.15 s in its backward."""
+    torch.manual_seed(0)
+    if name == "1f1b":
+        stages = [blocks(2), nn.Sequential(_Slow(), blocks(2))]
+        policy: Any = ["full", None]
+        watched, op = 0, "B"
+    else:
+        stages = [blocks(1), blocks(1), blocks(1), nn.Sequential(_Slow(), blocks(1))]
+        policy = [None, None, "full", None]
+        watched, op = 2, "I"
+    pipe = meshpipe.Pipeline(
+        stages, mesh, name, num_microbatches=2, loss_fn=mse, activation_checkpointing=policy
+    )
+    calls: list[float] = []
+    if watched in pipe._runners:
+        module = pipe._runners[watched].module
+        module.register_forward_hook(lambda *_: calls.append(time.perf_counter()))
+    pipe.step(torch.randn(8, D), target=torch.randn(8, D))
+    records = [r for r in pipe.timeline() if r.action.op.value == op and r.action.stage == watched]
+    # per backward action: whether its stage's forward ran again after the action began and
+    # (by 0.05 s at least) before its gradients were ready
+    return [any(r.start <= t < r.ready - 0.05 for t in calls) for r in records]
+
+
 def _is_block(name: str, module: nn.Module) -> bool:
     return isinstance(module, Block)
 
@@ -266,6 +327,7 @@ def _all(_: None = None) -> dict[str, Any]:
         for label, policy in (("none", None), ("full", "full")):
             out[f"calls-{label}-{name}"] = _forward_calls(mesh, name, policy)
         out[f"dropout-{name}"] = _dropout_replayed(mesh, name)
+        out[f"early-{name}"] = _replayed_before_gradients(mesh, name)
     torch.manual_seed(0)
     out["traced-full"], _ = _case(mesh, "zbv", "full", model=Stack(num_blocks=4))
     torch.manual_seed(0)
@@ -348,3 +410,12 @@ def test_the_forward_is_recomputed_once(results: Any, name: str) -> None:
 def test_dropout_masks_are_replayed(results: Any, name: str) -> None:
     for rank, res in enumerate(results):
         assert res[f"dropout-{name}"] <= 1e-6, f"rank {rank}: {res[f'dropout-{name}']}"
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_the_replay_runs_while_the_gradients_are_awaited(results: Any, name: str) -> None:
+    """A replayed stage runs its forward again before taking its backward's gradients, so a
+    wait for them overlaps the replay: each replay ran before the gradients were ready
+    (the stage after sleeps 0.15 s in its backward)."""
+    early = [e for res in results for e in res[f"early-{name}"]]
+    assert early == [True, True], early  # two microbatches, on the rank holding the stage

@@ -139,6 +139,8 @@ class _Interpreter:
         forward = r.op is Op.F
         value: Any = None
         if r.take is not None:
+            if not forward and r.op is not Op.W and self.training:  # B or I: see replay_early
+                self.stages[s].replay_early(mb, r.op is Op.I)
             self.status.waiting_for = r.peer
             value = comm.take(r.take, a)
             self.status.waiting_for = None

@@ -47,6 +47,7 @@ class _Saved:
     # "full" checkpointing)
     later: list[torch.Tensor | None] | None = None
     layouts: list[Any] = field(default_factory=list)  # DTensor outputs: (mesh, placements)
+    boxes: Boxes | None = None  # a split replay's saved tensors, until I hands them to W
 
 
 def as_stage_input(value: Any) -> Any:
@@ -252,6 +253,23 @@ class StageRunner:
         with self._loss_scope():
             return self._backward(mb, grads, split)
 
+    def replay_early(self, mb: int, split: bool) -> None:
+        """Run a replayed ("full") stage's forward again for B or I of ``mb`` before their
+        gradients are taken: it needs only F's inputs, so a wait for the gradients then
+        overlaps it instead of following it. A no-op for other stages, and where W runs
+        the whole backward (no input gradient to make)."""
+        saved = self._saved.get(mb)
+        if saved is None or saved.replay is None:
+            return
+        split = split and not self.fused_backward
+        if split and not any(x.requires_grad for x in saved.inputs):
+            return  # W replays (see _backward)
+        boxes = Boxes() if split else None  # from I to W, keep only what W uses
+        saving = boxes.saving(self.module) if boxes is not None else contextlib.nullcontext()
+        with saving, self._loss_scope():
+            saved.roots, saved.replay = saved.replay.run(), None
+        saved.boxes = boxes
+
     def _backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         saved = self._saved[mb]
         split = split and not self.fused_backward
@@ -264,16 +282,15 @@ class StageRunner:
             num_inputs = len(saved.inputs)
             saved.later, saved.inputs = gs, []
             return [None] * num_inputs
-        boxes = Boxes() if split and saved.replay is not None else None
         if saved.replay is not None:  # the forward again: I (or B) and W use this graph
-            with boxes.saving(self.module) if boxes is not None else contextlib.nullcontext():
-                saved.roots, saved.replay = saved.replay.run(), None
+            self.replay_early(mb, split)  # (usually done already, before the gradients came)
         if split:
             in_grads, saved.pending = backward_input(
                 saved.roots, gs, saved.inputs, compiled=self.split_compiled
             )
-            if boxes is not None:  # from here to W, keep only what W uses
-                self.released_bytes += keep_for_weights(boxes, saved.pending)
+            if saved.boxes is not None:  # from here to W, keep only what W uses
+                self.released_bytes += keep_for_weights(saved.boxes, saved.pending)
+                saved.boxes = None
         else:
             in_grads = backward_full(saved.roots, gs, saved.inputs)
         saved.roots = []
