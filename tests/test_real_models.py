@@ -366,3 +366,47 @@ def test_a_buffer_updated_in_glue_code_is_refused_naming_it() -> None:
 
     with pytest.raises(meshpipe.SplitError, match="steps"):
         meshpipe.split(Glue(), points=["blocks.1"], example_args=(torch.randn(2, 4),))
+
+
+def _llama_full_checkpointing() -> dict[str, Any]:
+    """Llama (4 layers, traced) with activation_checkpointing="full" on 1f1b and zbv (the
+    first stage replays at W, the others at I, before their gradients are taken): 3 AdamW
+    steps against one process, and how often each decoder layer ran per microbatch."""
+    import split_models as sm
+
+    torch.set_num_threads(1)
+    mesh = meshpipe.init_mesh(pp=2)
+    res: dict[str, Any] = {}
+    splits = {"1f1b": ["model.layers.2"], "zbv": [f"model.layers.{i}" for i in (1, 2, 3)]}
+    for name, points in splits.items():
+        torch.manual_seed(0)
+        model = sm.llama(num_layers=4)
+        ref = copy.deepcopy(model)
+        pipe = meshpipe.Pipeline(
+            model, mesh, name, 4, loss_fn=sm.lm_loss, activation_checkpointing="full",
+            split_points=points,
+        )  # fmt: skip
+        gaps = _train(pipe, ref, sm.lm_loss, _lm_batches(seed=13))
+        layers = [m for s in pipe.stages for n, m in s.named_modules()
+                  if n.count(".") == 2 and n.startswith("model.layers.")]  # fmt: skip
+        calls = [0]
+        for m in layers:
+            m.register_forward_pre_hook(lambda *_, c=calls: c.__setitem__(0, c[0] + 1))
+        batch = _lm_batches(seed=17)[0]
+        pipe.step(*batch[0], target=batch[2], **batch[1])
+        res[name] = {**gaps, "calls_per_layer_and_mb": calls[0] / (len(layers) * 4)}
+    return res
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_llama_full_checkpointing_replays_once_and_matches_one_process(name: str) -> None:
+    for rank, res in enumerate(_llama_full_results()):
+        r = res[name]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
+        # F, then one replay for both halves of the split backward (not one per half)
+        assert r["calls_per_layer_and_mb"] == 2.0, (rank, r)
+
+
+@cache
+def _llama_full_results() -> list[dict[str, Any]]:
+    return run_on_ranks(_llama_full_checkpointing, 2, timeout=240.0)
