@@ -167,6 +167,52 @@ def stage_meshes(device: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def features(device: str) -> dict[str, float]:
+    """pp=2, the features whose device paths a CPU run never takes. ``replay``: with
+    dropout, zbv with "full" checkpointing against the same step without it, the largest
+    gradient difference (the replay restores the device's random state F had; 0
+    expected). ``autocast_loss`` and ``autocast_grad``: 1f1b under
+    ``autocast=torch.bfloat16`` against one process under torch.autocast, relative."""
+    mesh = make_mesh(device, False, pp=2)
+    dev = _dev(mesh)
+    torch.manual_seed(0)
+    width = 64
+    drop = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Dropout(0.5))
+                           for _ in range(4)])  # fmt: skip
+    grads = []
+    for policy in (None, "full"):
+        pipe = meshpipe.Pipeline(
+            copy.deepcopy(drop), mesh, "zbv", 4, loss_fn=mse, timeout=WAIT,
+            activation_checkpointing=policy,
+        )  # fmt: skip
+        torch.manual_seed(5)
+        if dev.type == "cuda":
+            torch.cuda.manual_seed(5)
+        pipe.step(torch.ones(16, width, device=dev), target=torch.zeros(16, width, device=dev))
+        grads.append([p.grad for _, p in pipe.named_parameters()])
+    out = {"replay": max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))}
+    torch.manual_seed(0)
+    net = blocks(4)
+    ref = copy.deepcopy(net).to(dev)
+    x, y = torch.randn(32, 16, device=dev), torch.randn(32, 16, device=dev)
+    pipe = meshpipe.Pipeline(
+        net, mesh, "1f1b", 4, loss_fn=mse, autocast=torch.bfloat16, timeout=WAIT
+    )
+    loss = pipe.step(x, target=y)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        expected = mse(ref(x), y)
+    expected.backward()
+    want = float(expected.detach())
+    out["autocast_loss"] = abs(float(loss) - want) / abs(want)
+    mine = dict(pipe.named_parameters())
+    out["autocast_grad"] = max(
+        float((mine[n].grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
+        for n, p in ref.named_parameters()
+        if n in mine
+    )
+    return out
+
+
 def device_values(device: str, plain: bool) -> dict[str, str]:
     """pp=2, pp rank 1 given the rows in another order (same shapes), five steps: other,
     same, other, same, same rows. The first step is refused at once (the first call of a
@@ -279,6 +325,7 @@ def _dry_run() -> None:
     print("large", run_on_ranks(large, 2, "cpu", 256, 256, timeout=300)[0])
     print("stage meshes", run_on_ranks(stage_meshes, 3, "cpu", timeout=300))
     print("device values", run_on_ranks(device_values, 2, "cpu", False, timeout=120))
+    print("features", run_on_ranks(features, 2, "cpu", timeout=300))
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

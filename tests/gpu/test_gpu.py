@@ -15,6 +15,7 @@ from meshpipe.testing import run_on_ranks
 from gpu_cases import (
     checkpoint_resume,
     device_values,
+    features,
     fsdp_parity,
     host_syncs,
     host_syncs_dp,
@@ -94,3 +95,11 @@ def test_pp_ranks_given_other_rows_stop_at_the_next_call(plain: bool) -> None:
         assert all(n in res["3"] for n in names), (rank, res)
         assert "found at the start of the next call" in res["3"], (rank, res)
     assert results[0] == results[1]
+
+
+def test_replay_and_autocast_on_the_device() -> None:
+    """ "full" checkpointing replays dropout with the device's random state; bf16 autocast
+    matches one process under torch.autocast (bf16 rounding: 2 % of the largest gradient)."""
+    for rank, res in enumerate(run_on_ranks(features, 2, "cuda", timeout=200, device="cuda")):
+        assert res["replay"] <= 1e-6, (rank, res)
+        assert res["autocast_loss"] <= 2e-2 and res["autocast_grad"] <= 2e-2, (rank, res)
