@@ -28,15 +28,12 @@ from meshpipe.runtime.failures.closing import (
 from meshpipe.runtime.failures.culprit import Blame
 from meshpipe.runtime.failures.waits import Watchdog, translate
 from meshpipe.runtime.mesh.spmd import Spmd
-from meshpipe.runtime.mesh.stage_meshes import local_part
 from meshpipe.runtime.mesh.topology import Topology, pp_channels
+from meshpipe.runtime.pipeline.inputs import CallInputs
 from meshpipe.runtime.step.accumulate import Accumulator
 from meshpipe.runtime.step.executor import ActionRecord, RankStatus, run_actions
 from meshpipe.runtime.step.microbatch import (
     ChunkSpec,
-    Microbatches,
-    input_signature,
-    split_microbatches,
 )
 from meshpipe.runtime.step.reduce import reduce_grads, reduce_loss, reduce_metrics
 from meshpipe.runtime.step.stage import StageRunner
@@ -47,7 +44,6 @@ from meshpipe.runtime.transfer.p2p import Comm
 from meshpipe.runtime.transfer.reader import Reader, stop_readers
 from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.program import P2P, program_positions
-from meshpipe.split.guards import check_traced_shapes
 from meshpipe.split.whole import WholeModel
 
 __all__ = ["StepDriver"]
@@ -90,15 +86,13 @@ class StepDriver:
             timeout, topo.layout, self.channels.data, topo.device,
         )  # fmt: skip
         self.descs = DescCache()
-        self.signatures: dict[Any, list[Any]] = {}  # see _signatures
+        self.inputs = CallInputs(topo)  # a call's microbatches, and their signatures
         self.readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
         weakref.finalize(self, stop_readers, self.readers)
         self.watchdog = Watchdog() if topo.device.type == "cuda" else None
         self.comm_now: Comm | None = None
         self.broken: str | None = None  # why this pipeline's groups can no longer be used
         self.records: list[ActionRecord] = []
-        self.last_mbs = Microbatches([], [], [], [])  # this process's, of the last call
-        self.whole_rows: list[int] = []  # rows of each whole microbatch of the last call
         self.status = RankStatus()
         self.blame = Blame(topo, mesh, timeout)  # names the culprit of a failed call
         self.steps = 0
@@ -152,55 +146,6 @@ class StepDriver:
         comm.begin(*program, schedule.placement, memo=self.program_memos[key])
         return comm
 
-    def _prepare(
-        self,
-        schedule: Schedule,
-        runners: dict[int, StageRunner],
-        call: tuple[tuple[Any, ...], dict[str, Any], Any],
-        training: bool,
-        gate: Callable[[], None],
-        chunk_spec: ChunkSpec | None,
-    ) -> tuple[Microbatches, list[Any], list[int]]:
-        """This process's microbatches of a call, and the signatures and rows of the whole
-        ones (equal on every process, also where dp parts differ)."""
-        args, kwargs, target = call
-        try:
-            whole = split_microbatches(args, kwargs, target, schedule.num_microbatches, chunk_spec)
-            mbs = local_part(self.topology.layout, whole, chunk_spec, self.topology.cp_size)
-            stages = [runners[s].module for s in sorted(runners)]
-            check_traced_shapes(stages, mbs.args, mbs.kwargs)  # before any transfer
-            self.whole_rows = whole.sizes
-        except Exception:
-            gate()  # a difference between the ranks is the better message, and is collective
-            raise
-        self.last_mbs = mbs
-        for r in runners.values():
-            r.reset()
-        return mbs, self._signatures(call, whole, training, chunk_spec), whole.sizes
-
-    def _signatures(
-        self,
-        call: tuple[tuple[Any, ...], dict[str, Any], Any],
-        whole: Microbatches,
-        training: bool,
-        chunk_spec: ChunkSpec | None,
-    ) -> list[Any]:
-        """Each whole microbatch's input signature. The split is a function of the whole
-        call's signature, the microbatch count and the chunk spec (tensor leaves cut by
-        ``tensor_split``, other leaves given to every microbatch), so the signatures are
-        kept per those and computed once, not per microbatch and step."""
-        spec = None if not chunk_spec else tuple(chunk_spec.items())
-        key = (training, input_signature(call[0], call[1]), len(whole.args), spec)
-        found = self.signatures.get(key)
-        if found is None:
-            if len(self.signatures) >= 64:
-                self.signatures.clear()
-            found = self.signatures[key] = [
-                (training, input_signature(a, k))
-                for a, k in zip(whole.args, whole.kwargs, strict=True)
-            ]
-        return found
-
     def run(
         self,
         schedule: Schedule,
@@ -214,7 +159,8 @@ class StepDriver:
         """Run ``schedule``'s actions on ``call`` (args, kwargs, target), then
         ``before_finish`` (failing there is failing in the step); a failed step joins the
         closing collective (runtime/failures/closing.py) and raises its error."""
-        mbs, signatures, rows = self._prepare(schedule, runners, call, training, gate, chunk_spec)
+        inputs = self.inputs.prepare(schedule, runners, call, training, gate, chunk_spec)
+        mbs, signatures, rows = inputs
         comm = self._comm(schedule, signatures, rows)
         comm.gate = gate
         # step and eval_step (the only call with ``before_finish``: its scoring) close on

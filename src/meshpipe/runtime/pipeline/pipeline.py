@@ -329,7 +329,7 @@ class Pipeline(PipelineViews):
 
         def score() -> None:
             scored.extend(
-                eval_records(last, self._driver.last_mbs, metrics_fn, self.topology.device)
+                eval_records(last, self._driver.inputs.last_mbs, metrics_fn, self.topology.device)
             )
 
         with self._cp_scope():
@@ -348,7 +348,7 @@ class Pipeline(PipelineViews):
     def _take_outputs(self, sched: Schedule) -> Any:
         dp_group = self.topology.dp_group if self.topology.stage_meshes else None  # parts
         runner = self._runners.get(sched.num_stages - 1)
-        return take_outputs(runner, sched, dp_group, self._driver.whole_rows, self.timeout)
+        return take_outputs(runner, sched, dp_group, self._driver.inputs.whole_rows, self.timeout)
 
     def _cp_scope(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if self._cp is None else self._cp.scope()
