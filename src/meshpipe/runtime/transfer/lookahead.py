@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
 
 from meshpipe.errors import PipelineError
 from meshpipe.schedule.program import P2P
@@ -95,6 +96,26 @@ class RecvAhead:
         self._ahead = list(ahead)
         self.waiting = bool(ahead)
         self._queues = {peer: deque(ops) for peer, ops in queues.items()}
+
+    def load_kept(
+        self,
+        groups: Iterable[tuple[P2P, ...]],
+        nbytes: Callable[[P2P], int],
+        kept: dict[Any, Any],
+        key: Hashable,
+        holder: object,
+    ) -> None:
+        """:meth:`load`, the plan kept in ``kept`` under ``key`` between steps (with
+        ``holder``, an object whose id the key names, held so that the id stays its own)."""
+        found = kept.get(key)
+        if found is None:
+            planned = plan(groups, nbytes, self.budget)
+            if len(kept) >= 64:
+                kept.clear()
+            kept[key] = (holder, planned)
+        else:
+            planned = found[1]
+        self.use(planned)
 
     def due(self, op: P2P) -> bool:
         """Whether the receive ``op`` of the group being posted still has to be posted

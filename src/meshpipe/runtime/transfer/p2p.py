@@ -1,27 +1,11 @@
 """Point-to-point transfers between pipeline ranks: tensors travel as themselves.
 
-Two channels per pair of pp ranks:
-
-- **data** (the pp group: NCCL on GPU, gloo on CPU) carries only the tensor leaves of a
-  value, received into buffers allocated from a cached *description* (structure, dtypes,
-  shapes, requires_grad). No packing copy, no description bytes on the device.
-- **ctrl** (a gloo group on the CPU over the same ranks) carries what the receiver cannot
-  know: the whole value, self-described (runtime/transfer/wire.py), the first time a *description
-  key* is seen; a failing rank's error; and an end-of-step marker.
-
-A description key is (peer, kind, stage pair, the microbatch's input signature, mode). Every
-pp rank holds the same batch, so both ends of a stream decide alike whether a key is new:
-a steady-state step, where microbatch input shapes repeat, sends nothing on ctrl but one
-end marker per peer. Boundary shapes must therefore be a function of the input shapes; a
-value whose description differs from the one cached for its key is refused with an error
-naming the stage and both descriptions (see docs/runtime.md).
-
-What is posted, and when, is the program of :mod:`meshpipe.schedule.program`; this class
-posts each group before the action at its position. A rank that fails sends an error on
-ctrl to every peer it exchanges data with (either way: end markers and errors also travel
-against a forward-only step's data flow), then plays out the rest of its program with
-zero-filled sends and scratch receives, so that no peer is left waiting on data; peers see
-the error at their next receive or at the end of the step and raise RemoteStageError.
+Per pair of pp ranks, **data** (the pp group) carries only a value's tensor leaves, into
+buffers allocated from a cached description, and **ctrl** (gloo, CPU) what the receiver
+cannot know: a value whole the first time its description key is seen, a failing rank's
+error, an end-of-step marker (docs/runtime.md, "Messages between ranks"). What is posted,
+and when, is the program of :mod:`meshpipe.schedule.program`; :class:`Comm` posts each
+group before the action at its position. A failed step: runtime/transfer/failing.py.
 """
 
 from __future__ import annotations
@@ -34,7 +18,7 @@ from typing import Any
 
 import torch
 
-from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
+from meshpipe.errors import CommTimeoutError, PipelineError
 from meshpipe.runtime.failures.waits import Watchdog
 from meshpipe.runtime.mesh.layout import (
     Layout,
@@ -48,8 +32,8 @@ from meshpipe.runtime.mesh.layout import (
 from meshpipe.runtime.transfer import wire
 from meshpipe.runtime.transfer.channels import Channels, Op
 from meshpipe.runtime.transfer.descs import DescCache
-from meshpipe.runtime.transfer.failing import notify, play_out_ops, remote_error, run_play_out
-from meshpipe.runtime.transfer.lookahead import RecvAhead, lookahead_budget, plan
+from meshpipe.runtime.transfer.failing import FailingComm
+from meshpipe.runtime.transfer.lookahead import RecvAhead, lookahead_budget
 from meshpipe.runtime.transfer.reader import Reader
 from meshpipe.runtime.transfer.streams import Recv, Streams
 from meshpipe.runtime.transfer.transport import Transport
@@ -61,7 +45,7 @@ __all__ = ["Comm"]
 log = logging.getLogger(__name__)
 
 
-class Comm:
+class Comm(FailingComm):
     """This rank's transfers for one step, following its part of the p2p program.
 
     Peers are process indices of ``layout`` (on a uniform mesh: pp ranks). Each transfer of
@@ -194,17 +178,9 @@ class Comm:
         if memo is None:
             self._ahead.load(ordered, self.streams.recv_bytes)
             return
-        derived = self.streams.cache.derived
         key = ("recv ahead", id(memo), self._ahead.budget, tuple(self.streams.signatures))
-        planned = derived.get(key)
-        if planned is None:
-            planned = plan(ordered, self.streams.recv_bytes, self._ahead.budget)
-            if len(derived) >= 64:
-                derived.clear()
-            derived[key] = (memo, planned)  # memo held: its id stays its own
-        else:
-            planned = planned[1]
-        self._ahead.use(planned)
+        derived = self.streams.cache.derived
+        self._ahead.load_kept(ordered, self.streams.recv_bytes, derived, key, memo)
 
     def finish(self, read_ends: bool = True) -> None:
         """End of step: sends done, end markers sent to every peer and (``read_ends``) the
@@ -240,18 +216,6 @@ class Comm:
             del self._readers[peer]
         if self._watchdog is not None:
             self._watchdog.check()
-
-    def failure_notice(self, seconds: float) -> RemoteStageError | None:
-        """After a closing collective that counted a failed process: the failure notice a
-        peer sent instead of its end marker, if one comes within ``seconds`` (None if all
-        peers ended well)."""
-        try:
-            self.end(seconds)
-        except RemoteStageError as e:
-            return e
-        except (CommTimeoutError, PipelineError):
-            return self.remote_cause()
-        return None
 
     # -- the program --------------------------------------------------------------------
     def pass_gate(self) -> None:
@@ -402,57 +366,6 @@ class Comm:
                 "the ranks are running different schedules or microbatch counts"
             )
         return self.streams.whole_value(r, value)
-
-    # -- failure ----------------------------------------------------------------------
-    def global_rank(self, peer: int) -> int:
-        """The global rank of pp peer ``peer`` (of its first process on stage meshes)."""
-        return int(self.io.ch.global_ranks[peer])
-
-    def remote_error(self, fields: dict[str, Any]) -> RemoteStageError:
-        return remote_error(self.rank, fields)
-
-    def _raise_remote_error(self) -> None:
-        for reader in self._readers.values():
-            if reader.error_queued:  # (poll_error's own test, without the call)
-                err = reader.poll_error()
-                if err is not None:
-                    raise err
-        if self._watchdog is not None:
-            self._watchdog.check()
-
-    def remote_cause(self) -> RemoteStageError | None:
-        """An error some peer reported during this step, if any (no waiting)."""
-        for reader in self._readers.values():
-            err = reader.reported()
-            if err is not None:
-                return err
-        return None
-
-    def abort(self, reason: str, play_out: bool = True) -> None:
-        """Tell the peers this rank failed, then (``play_out``) play out the rest of the
-        program with zero-filled sends and scratch receives, so no peer waits on data
-        (bounded). After a timeout there is no point: the peer waited for is stuck. Peers
-        that reported a failure themselves get no notice and are not waited for: they are
-        stopping (and may be gone), so a wait on them would only delay this rank's error."""
-        failed = {p for p, r in self._readers.items() if r.reported()}
-        # a link whose end markers were exchanged reads no more this step: it learns of the
-        # failure from the step's closing collective (Pipeline), not from a notice
-        notices = notify(self.io, sorted(self._links - failed - self._ended), reason)
-        later = [p for p in sorted(self._program) if p >= self._next_position]
-        rest = [g for p in later for g in self._program[p]] if play_out else []
-        ops = play_out_ops(rest, self._ahead.pending(), self.streams.known, self.device)
-        pending = run_play_out(self.io, notices, ops, failed, play_out)
-        # keep the works of unfinished transfers alive with this Comm (the Pipeline keeps
-        # the failed step's): gloo breaks a group whose pending receive is freed, and the
-        # step's closing collective on that group then never completes (10 s lost per
-        # failure before this)
-        self.orphans = [
-            *(w for r in self._recvs.values() for w in r.works),
-            *(w for w, _t, _p in self.io.sends),
-            *(w for w, _p in pending),
-        ]
-        self.io.sends.clear()
-        self._recvs.clear()
 
     def ctrl_recv(self, peer: int, size: int) -> torch.Tensor:
         """The next control message from ``peer`` (its reader thread only; see
