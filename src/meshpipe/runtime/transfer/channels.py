@@ -48,11 +48,12 @@ class Channels:
         """Per peer: how to send to it and receive from it, one by one (gloo), as
         ``(send, its rank in the sending group, recv, its rank in the receiving group)``:
         on ``back`` what goes to the lower process index of the two."""
-        me = self.global_ranks.index(dist.get_rank())
+        back, data = self.back, self.data
+        me = 0 if back is None else self.global_ranks.index(dist.get_rank())
         out = []
         for peer, g in enumerate(self.global_ranks):
-            to = self.back if self.back is not None and peer < me else self.data
-            frm = self.back if self.back is not None and peer > me else self.data
+            to = back if back is not None and peer < me else data
+            frm = back if back is not None and peer > me else data
             out.append((to.send, dist.get_group_rank(to, g), frm.recv, dist.get_group_rank(frm, g)))
         return tuple(out)
 
