@@ -15,9 +15,11 @@ the load; CPU time of the rank's main thread barely does, so this reports, per r
 - the wall ratio meshpipe / torch (medians of the rounds),
 
 for meshpipe, torch and the hand-written loop (benchmarks/hand_1f1b.py, no framework), the
-three alternated round by round. ``--profile DIR`` also writes a cProfile (main-thread CPU
-clock) of each runtime's steps per rank, ``DIR/{runtime}-rank{r}.prof``, and prints the top
-functions by own time.
+three alternated round by round, and each thread's CPU per step (from
+``/proc/self/task/*/schedstat``: the main thread, gloo's loop threads, meshpipe's ctrl
+readers; on two shared cores the threads besides the main one count too). ``--profile
+DIR`` also writes a cProfile (main-thread CPU clock) of each runtime's steps per rank,
+``DIR/{runtime}-rank{r}.prof``, and prints the top functions by own time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import io
 import os
 import pstats
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +45,32 @@ import meshpipe  # noqa: E402
 from meshpipe.testing import run_on_ranks  # noqa: E402
 
 RUNTIMES = ("meshpipe", "torch", "hand-written loop")
+
+
+def _thread_cpu() -> dict[int, tuple[str, int]]:
+    """Every thread of this process: tid -> (name, CPU nanoseconds so far)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        out[int(tid)] = (name, ns)
+    return out
+
+
+def _by_thread(before: dict[int, tuple[str, int]], totals: dict[str, float]) -> None:
+    """Add each thread's CPU since ``before`` to ``totals``, by kind of thread."""
+    main = threading.get_native_id()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    for tid, (name, ns) in _thread_cpu().items():
+        label = "main" if tid == main else names.get(tid, name)
+        if label.startswith("meshpipe-ctrl"):
+            label = "meshpipe ctrl readers"
+        totals[label] = totals.get(label, 0.0) + (ns - before.get(tid, (name, 0))[1]) * 1e-9
 
 
 def _runners(num: int) -> tuple[dict[str, Callable[[], Any]], Callable[[], None], int]:
@@ -65,6 +94,7 @@ def ranks(num: int, rounds: int, steps: int, profile: str | None) -> dict[str, A
         k: {"wall": [], "thread": [], "process": []} for k in runners
     }
     profs = {k: cProfile.Profile(time.thread_time) for k in runners} if profile else {}
+    threads: dict[str, dict[str, float]] = {k: {} for k in runners}
     keys = list(runners)
     for r in range(rounds):
         for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
@@ -73,6 +103,7 @@ def ranks(num: int, rounds: int, steps: int, profile: str | None) -> dict[str, A
             for _ in range(steps):
                 zero()
                 dist.barrier()
+                snap = _thread_cpu()
                 w, t, p = time.perf_counter(), time.thread_time(), time.process_time()
                 if prof is not None:
                     prof.enable()
@@ -82,10 +113,12 @@ def ranks(num: int, rounds: int, steps: int, profile: str | None) -> dict[str, A
                 wall += time.perf_counter() - w
                 thread += time.thread_time() - t
                 proc += time.process_time() - p
+                _by_thread(snap, threads[k])
             got[k]["wall"].append(wall / steps)
             got[k]["thread"].append(thread / steps / actions * 1e6)
             got[k]["process"].append(proc / steps / actions * 1e6)
-    out: dict[str, Any] = {"actions": actions, "times": got, "profiles": {}}
+    per_step = {k: {n: v / (rounds * steps) for n, v in t.items()} for k, t in threads.items()}
+    out: dict[str, Any] = {"actions": actions, "times": got, "profiles": {}, "threads": per_step}
     for k, prof in profs.items():
         name = k.replace(" ", "-").replace("-written-loop", "")
         prof.dump_stats(os.path.join(profile or ".", f"{name}-rank{rank}.prof"))
@@ -113,6 +146,10 @@ def report(results: list[dict[str, Any]]) -> None:
                 f"least {least:5.1f}, {least / torch_min:.3f}x)  process CPU {proc:6.1f} "
                 f"us/action  step {wall * 1e3:6.2f} ms wall ({wall / torch_wall:.3f}x torch)"
             )
+        for k in RUNTIMES:
+            parts = sorted(res["threads"][k].items(), key=lambda kv: -kv[1])
+            shown = ", ".join(f"{n} {v * 1e6:.0f}" for n, v in parts if v * 1e6 >= 50)
+            print(f"  {k:18s} CPU per step by thread (us): {shown}")
         for f, what in (("thread", "main-thread CPU"), ("wall", "wall")):
             ratios = [a / b for a, b in zip(t["meshpipe"][f], t["torch"][f], strict=True)]
             print(

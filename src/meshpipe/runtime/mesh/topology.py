@@ -247,4 +247,11 @@ def pp_channels(topo: Topology) -> Channels:
     # MESHPIPE_P2P_BATCHED=1: post as on NCCL (each group with batch_isend_irecv, nothing
     # ahead of its group) on gloo too; a testing aid, so CPU runs the GPU's posting path
     batched = cuda or os.environ.get("MESHPIPE_P2P_BATCHED", "") == "1"
-    return Channels(data, ctrl, ranks, batched=batched)
+    back = None
+    # gloo: the transfers to a lower process index on a group of their own, so that each
+    # connection carries data one way (runtime/transfer/channels.py);
+    # MESHPIPE_P2P_ONE_GROUP=1 keeps both ways on one (a measuring aid)
+    one = os.environ.get("MESHPIPE_P2P_ONE_GROUP", "") == "1"
+    if not batched and not one and dist.get_backend(data) == "gloo":
+        back = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
+    return Channels(data, ctrl, ranks, batched=batched, back=back)
