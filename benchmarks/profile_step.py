@@ -78,7 +78,7 @@ def _wrap_gate(totals: Totals) -> None:
 def instrument() -> Totals:
     """Wrap the parts of a step (module attributes the driver and pipeline call)."""
     from meshpipe.runtime.checks import agree
-    from meshpipe.runtime.pipeline import driver, pipeline
+    from meshpipe.runtime.pipeline import driver, inputs, pipeline
     from meshpipe.runtime.transfer.p2p import Comm
 
     totals: Totals = {}
@@ -87,10 +87,10 @@ def instrument() -> Totals:
     _wrap(agree, "describe_call", "  describe the call", totals)
     _wrap(agree.CallCheck, "_fingerprints", "  value fingerprints", totals)
     _wrap(agree.Agreement, "__init__", "  digests + post the exchange", totals)
-    _wrap(driver.StepDriver, "_prepare", "split the microbatches, signatures", totals)
-    _wrap(driver, "split_microbatches", "  split_microbatches", totals)
-    _wrap(driver, "check_traced_shapes", "  check_traced_shapes", totals)
-    _wrap(driver.StepDriver, "_signatures", "  the microbatches' signatures", totals)
+    _wrap(inputs.CallInputs, "prepare", "split the microbatches, signatures", totals)
+    _wrap(inputs, "split_microbatches", "  split_microbatches", totals)
+    _wrap(inputs, "check_traced_shapes", "  check_traced_shapes", totals)
+    _wrap(inputs.CallInputs, "_signatures", "  the microbatches' signatures", totals)
     _wrap(driver.StepDriver, "_comm", "the step's Comm (program, readers)", totals)
     _wrap(Comm, "__init__", "  Comm.__init__", totals)
     _wrap(Comm, "begin", "  Comm.begin", totals)
