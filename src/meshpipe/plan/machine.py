@@ -8,14 +8,14 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
   while the others wait, then in every process at once; the ratio (of first quartiles,
   as every time here: steady when other jobs share the machine). On a CPU whose cores the
   ranks share it is well above 1; the planner multiplies the profile's times by it.
-- **overhead**: the runtime's host work per action, in CPU seconds (steady on a machine
-  other jobs share): a process's CPU time over ``meshpipe.Pipeline`` steps of small MLP
-  stages (1f1b, every process one pp rank, 4 microbatches per rank), less its stages'
-  forward and backward (timed alone), over its actions. On CUDA this is the host's time
-  per action, the device's work being the profile's.
-- **step_overhead**: what the same steps at 1, 2 and 4 microbatches per rank take beyond
-  the simulated ``makespan(f + overhead, b + overhead, p2p latency)``, the median (the
-  call check, the closing exchange, waits the simulator does not see).
+- **overhead** and **step_overhead**: ``meshpipe.Pipeline`` steps of small MLP stages
+  (1f1b, every process one pp rank, 1, 2 and 4 microbatches per rank), read from the
+  runtime's own timeline (``runtime_costs``, ``meshpipe.plan.outside``): what each step
+  took beyond its own actions replayed, fitted as ``step_overhead + d x`` the actions
+  along the critical path; ``overhead`` is ``d`` plus what an action measured beyond its
+  stage's work timed alone. Where the processes outnumber the cores: CPU seconds per
+  action (a process's CPU time over the steps less its stages' work, over its actions)
+  and the median of what the steps took beyond the shared replay of the stages' work.
 - **dp_bandwidth**: the gradient reduction as the runtime runs it for a data-parallel
   plan: ``meshpipe.Pipeline`` steps of a model with ``REDUCE_BYTES`` of gradients
   (``REDUCE_ROWS`` rows) over every process as dp replicas (``dp="ddp"``), alternately
