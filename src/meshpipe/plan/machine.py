@@ -8,14 +8,14 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
   while the others wait, then in every process at once; the ratio (of first quartiles,
   as every time here: steady when other jobs share the machine). On a CPU whose cores the
   ranks share it is well above 1; the planner multiplies the profile's times by it.
-- **overhead**: the runtime's host work per action, in CPU seconds (steady on a machine
-  other jobs share): a process's CPU time over ``meshpipe.Pipeline`` steps of small MLP
-  stages (1f1b, every process one pp rank, 4 microbatches per rank), less its stages'
-  forward and backward (timed alone), over its actions. On CUDA this is the host's time
-  per action, the device's work being the profile's.
-- **step_overhead**: what the same steps at 1, 2 and 4 microbatches per rank take beyond
-  the simulated ``makespan(f + overhead, b + overhead, p2p latency)``, the median (the
-  call check, the closing exchange, waits the simulator does not see).
+- **overhead** and **step_overhead**: ``meshpipe.Pipeline`` steps of small MLP stages
+  (1f1b, every process one pp rank, 1, 2 and 4 microbatches per rank), read from the
+  runtime's own timeline (``runtime_costs``, ``meshpipe.plan.outside``): what each step
+  took beyond its own actions replayed, fitted as ``step_overhead + d x`` the actions
+  along the critical path; ``overhead`` is ``d`` plus what an action measured beyond its
+  stage's work timed alone. Where the processes outnumber the cores: CPU seconds per
+  action (a process's CPU time over the steps less its stages' work, over its actions)
+  and the median of what the steps took beyond the shared replay of the stages' work.
 - **dp_bandwidth**: the gradient reduction as the runtime runs it for a data-parallel
   plan: ``meshpipe.Pipeline`` steps of a model with ``REDUCE_BYTES`` of gradients
   (``REDUCE_ROWS`` rows) over every process as dp replicas (``dp="ddp"``), alternately
@@ -45,9 +45,11 @@ import torch
 from torch import nn
 
 from meshpipe.plan.errors import PlanError
+from meshpipe.plan.outside import fit_outside, inside_overhead, outside_time
 from meshpipe.plan.sharing import shared_replay
 from meshpipe.schedule.ir import Op
 from meshpipe.schedule.registry import get_schedule
+from meshpipe.schedule.replay import replay
 from meshpipe.sim.simulate import Cost, simulate
 
 __all__ = ["MachineCost", "measure_machine"]
@@ -152,7 +154,7 @@ def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str
     f = _alone(lambda: alone(x), repeats, running)
     fb = _alone(lambda: alone(x).sum().backward(), repeats, running)
     fb_cpu = _typical_time(lambda: alone(x).sum().backward(), repeats, clock=time.process_time)
-    points, host = [], []
+    points, host, records = [], [], []
     for per_rank in PROBE_MICROBATCHES:
         mb = per_rank * n
         torch.manual_seed(0)
@@ -170,11 +172,31 @@ def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        points.append((mb, _typical_time(step, repeats, dist.barrier)))
+        recorded = _recorded_steps(step, pipe, repeats, dist.barrier)
+        records.append(recorded)
+        points.append((mb, _low([t for t, _ in recorded])))
         cpu = _typical_time(step, repeats, clock=time.process_time)
         host.append(max(0.0, cpu - mb * fb_cpu) / (2 * mb))  # 1f1b: 2 actions per mb
     b = None if f is None or fb is None else max(fb - f, 0.0)
-    return {"f": f, "b": b, "steps": points, "host": host}
+    return {"f": f, "b": b, "steps": points, "host": host, "records": records}
+
+
+def _recorded_steps(
+    step: Any, pipe: Any, repeats: int, barrier: Any
+) -> list[tuple[float, dict[tuple[str, int, int], float]]]:
+    """``repeats`` steps after a warm-up, each after ``barrier``: the step's wall seconds
+    and its actions' seconds from the runtime's timeline (inputs ready to end)."""
+    out = []
+    for i in range(repeats + 1):
+        barrier()
+        t0 = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t0
+        if i:
+            actions = {(str(r.action.op.value), int(r.action.stage), int(r.action.mb)):
+                       r.end - r.ready for r in pipe.timeline()}  # fmt: skip
+            out.append((wall, actions))
+    return out
 
 
 def _reduce_probe(device: torch.device, repeats: int) -> float:
@@ -319,6 +341,35 @@ def fit_runtime(
     return max(0.0, statistics.median(rest))
 
 
+def runtime_costs(
+    n: int, got: list[dict[str, Any]], f: float, b: float, p2p_latency: float
+) -> tuple[float, float]:
+    """(overhead per action, overhead per step) from the probe's recorded steps (each
+    process one core or GPU): inside an action, what its measured times add to its work
+    timed alone; outside, ``c + d x actions`` fitted to what each step took beyond its own
+    actions replayed (meshpipe.plan.outside). ``d`` goes to every action, ``c`` to the
+    step."""
+    points: list[tuple[float, float]] = []
+    measured: dict[str, list[float]] = {"F": [], "B": []}
+    for k, (mb, _) in enumerate(got[0]["steps"]):
+        sched = get_schedule("1f1b", n, mb)
+        steps = [[g["records"][k][i] for g in got] for i in range(len(got[0]["records"][k]))]
+        along = max(e.end for row in replay(sched, lambda a: 1.0, 0.0) for e in row)
+        points.append((along, outside_time(sched, steps, p2p_latency)))
+        for step in steps:
+            for _, actions in step:
+                for (op, _s, _m), seconds in actions.items():
+                    measured["F" if op == "F" else "B"].append(seconds)
+    c, d = fit_outside(points)
+    inside = inside_overhead(measured, {"F": f, "B": b})
+    log.info(
+        "runtime probe: %.0f us inside each action, %.0f us outside it, %.2f ms per step "
+        "(outside the actions: %s)", inside * 1e6, d * 1e6, c * 1e3,
+        ", ".join(f"{o * 1e3:.2f} ms at {a:.0f} actions" for a, o in points),
+    )  # fmt: skip
+    return inside + d, c
+
+
 def local_cores(device: str) -> int:
     """The cores this process may run on (CPU), which the job's local processes share; 0 on
     CUDA (a GPU per process: the host's cores are not what bounds its speed)."""
@@ -372,9 +423,12 @@ def measure_machine(
     points = [(mb, max(g["steps"][k][1] for g in got)) for k, (mb, _) in enumerate(got[0]["steps"])]
     f = statistics.median(g["f"] for g in got if g["f"] is not None)
     b = statistics.median(g["b"] for g in got if g["b"] is not None)
-    overhead = statistics.median(g["host"][-1] for g in got)  # the most actions per step
     shared = cores if 0 < cores < n else 0
-    step = fit_runtime(n, f, b, points, p2p_latency, overhead, shared)
+    if shared:  # processes outnumber the cores: CPU seconds per action, a fitted step cost
+        overhead = statistics.median(g["host"][-1] for g in got)  # the most actions per step
+        step = fit_runtime(n, f, b, points, p2p_latency, overhead, shared)
+    else:
+        overhead, step = runtime_costs(n, got, f, b, p2p_latency)
     speedup = next(g["tp_speedup"] for g in got if g["tp_speedup"] is not None)
     # the planner's speed at tp = t is (1 + (t - 1) x efficiency) / slowdown, each process
     # on a core of its own (the sharing of fewer cores is judged apart): as measured, x n /
