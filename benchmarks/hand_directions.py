@@ -19,7 +19,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,71 +26,12 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import median, mse  # noqa: E402
+from hand_1f1b import hand_1f1b  # noqa: E402
 
 import meshpipe  # noqa: E402
 from meshpipe.testing import run_on_ranks  # noqa: E402
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
-
-
-def _first(module: nn.Module, num: int, acts: Any, grads: Any, ahead: bool) -> Step:
-    """Rank 0: F then 1F1B; activations sent on ``acts``, gradients received on ``grads``."""
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        xs = x.tensor_split(num)
-        outs: dict[int, torch.Tensor] = {}
-        sends, posted = [], {}
-        if ahead:
-            for i in range(num):
-                buf = torch.empty(xs[i].shape[0], 8)
-                posted[i] = (buf, dist.irecv(buf, 1, group=grads))
-        order = [("F", 0)] + [a for i in range(num) for a in (("F", i + 1), ("B", i))]
-        for op, i in order:
-            if i >= num:
-                continue
-            if op == "F":
-                outs[i] = module(xs[i])
-                sends.append(dist.isend(outs[i].detach(), 1, group=acts))
-                continue
-            if ahead:
-                g, work = posted.pop(i)
-            else:
-                g = torch.empty_like(outs[i])
-                work = dist.irecv(g, 1, group=grads)
-            work.wait()  # type: ignore[union-attr]
-            outs.pop(i).backward(g)
-        for w in sends:
-            w.wait()  # type: ignore[union-attr]
-
-    return step
-
-
-def _last(module: nn.Module, num: int, acts: Any, grads: Any, ahead: bool) -> Step:
-    """Rank 1: each activation received (the next one posted once it came, or all at the
-    start), the loss's backward, its gradient sent back."""
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        xs, ys = x.tensor_split(num), y.tensor_split(num)
-        sends, posted = [], {}
-
-        def post(i: int) -> None:
-            buf = torch.empty(xs[i].shape[0], 8)
-            posted[i] = (buf, dist.irecv(buf, 0, group=acts))
-
-        for i in range(num if ahead else 1):
-            post(i)
-        for i in range(num):
-            buf, work = posted.pop(i)
-            work.wait()  # type: ignore[union-attr]
-            if not ahead and i + 1 < num:
-                post(i + 1)
-            buf.requires_grad_(True)
-            (mse(module(buf), ys[i]) / num).backward()
-            sends.append(dist.isend(buf.grad, 0, group=grads))
-        for w in sends:
-            w.wait()  # type: ignore[union-attr]
-
-    return step
 
 
 def ranks(num: int, rounds: int, steps: int) -> dict[str, tuple[float, float, float]]:
@@ -102,12 +42,13 @@ def ranks(num: int, rounds: int, steps: int) -> dict[str, tuple[float, float, fl
     torch.manual_seed(0)
     module = nn.Linear(8, 8)
     x, y = torch.randn(num, 8), torch.randn(num, 8)
-    make = _first if rank == 0 else _last
     variants = {
-        "one group, receives when needed": make(module, num, one, one, False),
-        "one group, receives at the start": make(module, num, one, one, True),
-        "two groups, receives when needed": make(module, num, one, other, False),
-        "two groups, receives at the start": make(module, num, one, other, True),
+        "one group, receives when needed": hand_1f1b(module, rank, num, mse, one, 8),
+        "one group, receives at the start": hand_1f1b(module, rank, num, mse, one, 8, ahead=True),
+        "two groups, receives when needed": hand_1f1b(module, rank, num, mse, one, 8, other),
+        "two groups, receives at the start": hand_1f1b(
+            module, rank, num, mse, one, 8, other, ahead=True
+        ),
     }
     for fn in variants.values():
         for _ in range(3):

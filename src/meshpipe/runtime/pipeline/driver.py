@@ -29,14 +29,10 @@ from meshpipe.runtime.failures.culprit import Blame
 from meshpipe.runtime.failures.waits import Watchdog, translate
 from meshpipe.runtime.mesh.spmd import Spmd
 from meshpipe.runtime.mesh.topology import Topology, pp_channels
-from meshpipe.runtime.pipeline.inputs import CallInputs
+from meshpipe.runtime.pipeline.inputs import CallInputs, Run
 from meshpipe.runtime.step.accumulate import Accumulator
 from meshpipe.runtime.step.executor import ActionRecord, RankStatus, run_actions
-from meshpipe.runtime.step.microbatch import (
-    ChunkSpec,
-)
 from meshpipe.runtime.step.reduce import reduce_grads, reduce_loss, reduce_metrics
-from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.runtime.transfer.channels import Channels
 from meshpipe.runtime.transfer.descs import DescCache
 from meshpipe.runtime.transfer.exchange import Posted
@@ -146,21 +142,12 @@ class StepDriver:
         comm.begin(*program, schedule.placement, memo=self.program_memos[key])
         return comm
 
-    def run(
-        self,
-        schedule: Schedule,
-        runners: dict[int, StageRunner],
-        call: tuple[tuple[Any, ...], dict[str, Any], Any],
-        training: bool,
-        gate: Callable[[], None],
-        chunk_spec: ChunkSpec | None,
-        before_finish: Callable[[], None] | None = None,
-    ) -> dict[int, Any]:
-        """Run ``schedule``'s actions on ``call`` (args, kwargs, target), then
+    def run(self, run: Run, before_finish: Callable[[], None] | None = None) -> dict[int, Any]:
+        """Run ``run.schedule``'s actions on ``run.call`` (args, kwargs, target), then
         ``before_finish`` (failing there is failing in the step); a failed step joins the
         closing collective (runtime/failures/closing.py) and raises its error."""
-        inputs = self.inputs.prepare(schedule, runners, call, training, gate, chunk_spec)
-        mbs, signatures, rows = inputs
+        schedule, runners, _call, training, gate, _spec = run
+        mbs, signatures, rows = self.inputs.prepare(run)
         comm = self._comm(schedule, signatures, rows)
         comm.gate = gate
         # step and eval_step (the only call with ``before_finish``: its scoring) close on

@@ -5,7 +5,7 @@ one) and the whole microbatches' input signatures, which name its transfers' des
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshpipe.runtime.mesh.stage_meshes import local_part
 from meshpipe.runtime.mesh.topology import Topology
@@ -19,7 +19,21 @@ from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.schedule.ir import Schedule
 from meshpipe.split.guards import check_traced_shapes
 
-__all__ = ["CallInputs"]
+__all__ = ["CallInputs", "Run"]
+
+Call = tuple[tuple[Any, ...], dict[str, Any], Any]  # (args, kwargs, target)
+
+
+class Run(NamedTuple):
+    """What a call runs: the schedule, this rank's stage runners, the call, whether it
+    trains, the gate that finishes its checks, and the pipeline's chunk spec."""
+
+    schedule: Schedule
+    runners: dict[int, StageRunner]
+    call: Call
+    training: bool
+    gate: Callable[[], None]
+    chunk_spec: ChunkSpec | None
 
 
 class CallInputs:
@@ -31,17 +45,10 @@ class CallInputs:
         self.last_mbs = Microbatches([], [], [], [])  # this process's, of the last call
         self.whole_rows: list[int] = []  # rows of each whole microbatch of the last call
 
-    def prepare(
-        self,
-        schedule: Schedule,
-        runners: dict[int, StageRunner],
-        call: tuple[tuple[Any, ...], dict[str, Any], Any],
-        training: bool,
-        gate: Callable[[], None],
-        chunk_spec: ChunkSpec | None,
-    ) -> tuple[Microbatches, list[Any], list[int]]:
+    def prepare(self, run: Run) -> tuple[Microbatches, list[Any], list[int]]:
         """This process's microbatches of a call, and the signatures and rows of the whole
         ones (equal on every process, also where dp parts differ)."""
+        schedule, runners, call, training, gate, chunk_spec = run
         args, kwargs, target = call
         try:
             whole = split_microbatches(args, kwargs, target, schedule.num_microbatches, chunk_spec)
@@ -58,11 +65,7 @@ class CallInputs:
         return mbs, self._signatures(call, whole, training, chunk_spec), whole.sizes
 
     def _signatures(
-        self,
-        call: tuple[tuple[Any, ...], dict[str, Any], Any],
-        whole: Microbatches,
-        training: bool,
-        chunk_spec: ChunkSpec | None,
+        self, call: Call, whole: Microbatches, training: bool, chunk_spec: ChunkSpec | None
     ) -> list[Any]:
         """Each whole microbatch's input signature. The split is a function of the whole
         call's signature, the microbatch count and the chunk spec (tensor leaves cut by

@@ -35,6 +35,7 @@ from meshpipe.runtime.pipeline.context import Call, context_parallel, refuse
 from meshpipe.runtime.pipeline.driver import StepDriver
 from meshpipe.runtime.pipeline.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.pipeline.from_plan import plan_arguments
+from meshpipe.runtime.pipeline.inputs import Run
 from meshpipe.runtime.pipeline.memory import SavedLedger
 from meshpipe.runtime.pipeline.modules import initial_mode, stage_modules
 from meshpipe.runtime.pipeline.schedules import Schedules
@@ -284,9 +285,10 @@ class Pipeline(PipelineViews):
         if last is not None:
             last.keep_outputs = return_outputs
         aside = SetAside(list(self.parameters()))
+        run = Run(sched, self._runners, call, True, gate, self.chunk_spec)
         try:
             with self._tracked(), self._cp_scope():
-                losses = self._driver.run(sched, self._runners, call, True, gate, self.chunk_spec)
+                losses = self._driver.run(run)
         except BaseException as e:
             if getattr(e, "meshpipe_refusal", False):  # nothing ran: gradients as they were
                 aside.put_back()
@@ -333,7 +335,8 @@ class Pipeline(PipelineViews):
             )
 
         with self._cp_scope():
-            self._driver.run(infer, self._runners, call, False, gate, self.chunk_spec, score)
+            run = Run(infer, self._runners, call, False, gate, self.chunk_spec)
+            self._driver.run(run, score)
         records, metrics = scored
         src = self.topology.pp_global_ranks[infer.placement[-1]]
         with_metrics = metrics_fn is not None
@@ -373,7 +376,7 @@ class Pipeline(PipelineViews):
         refuse(self._cp, "forward()")
         infer = self._schedules.inference(num_microbatches)
         call, gate = self._begin("forward", infer, (args, kwargs, None), training=False)
-        self._driver.run(infer, self._runners, call, False, gate, self.chunk_spec)
+        self._driver.run(Run(infer, self._runners, call, False, gate, self.chunk_spec))
         if reads_closing(self.topology.device):  # the closing collective (closing.py)
             self._driver.stop_if_failed(closing_status(self.topology.pp_group, False, self.timeout))
         self._driver.done()
