@@ -48,7 +48,12 @@ def _case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, x, torch.randint(0, VOCAB, (16, 8), generator=g)
 
 
-def _parity(data: dict[str, Any]) -> float:
+def _parity(data: dict[str, Any], fsdp: list[bool] | None = None) -> float:
+    """One from_plan step against one process: the largest loss or gradient difference
+    (``fsdp``: appended, whether a stage of this process is sharded by FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
     model, x, y = _case()
     ref = copy.deepcopy(model)
     pipe = meshpipe.Pipeline.from_plan(data, model, loss_fn=loss_fn, example_args=(x,))
@@ -58,7 +63,10 @@ def _parity(data: dict[str, Any]) -> float:
     worst = abs(loss.item() - ref_loss.item())
     ref_params = dict(ref.named_parameters())
     for name, p in pipe.named_parameters():
-        worst = max(worst, (p.grad - ref_params[name].grad).abs().max().item())
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, (g - ref_params[name].grad).abs().max().item())
+    if fsdp is not None:
+        fsdp.append(any(isinstance(m, FSDPModule) for s in pipe.stages for m in s.modules()))
     return worst
 
 
@@ -126,3 +134,29 @@ def test_from_plan_parity_memory_and_refusal(plans: dict[str, Plan]) -> None:
         assert stats["optimizer"] == 2 * stats["params"] == 2 * stats["grads"]
         assert stats["activations"] > 0 and stats["source"] == "ledger"
         assert abs(stats["peak"] - predicted) <= 0.25 * predicted, (r, stats, predicted)
+
+
+def _three(cases: list[dict[str, Any]]) -> list[tuple[float, bool]]:
+    torch.set_num_threads(1)
+    out = []
+    for d in cases:
+        sharded: list[bool] = []
+        out.append((_parity(d, sharded), sharded[0]))
+    return out
+
+
+def test_from_plan_stage_meshes_with_replicas_and_a_dp_mode(plans: dict[str, Plan]) -> None:
+    """A hand-written plan of 3 processes: stage meshes [{"dp": 1}, {"dp_replicate": 2}]
+    (replicas of the second stage), and [{"dp": 1}, {"dp": 2}] with dp_mode "fsdp", which
+    from_plan runs as set (it used to drop a stage-mesh plan's dp_mode)."""
+    base = plans["1f1b"]
+    replicas = replace(base, world_size=3, stage_meshes=({"dp": 1}, {"dp_replicate": 2}))
+    sharded = replace(base, world_size=3, stage_meshes=({"dp": 1}, {"dp": 2}), dp_mode="fsdp")
+    assert Plan.from_dict(replicas.to_dict()) == replicas  # JSON round trip
+    assert "dp_replicate2" in str(replicas)
+    cases = [replicas.to_dict(), sharded.to_dict()]
+    results = run_on_ranks(_three, 3, cases, timeout=240)
+    for rank, ((diff_r, fsdp_r), (diff_s, fsdp_s)) in enumerate(results):
+        assert diff_r < 1e-5 and diff_s < 1e-5, (rank, diff_r, diff_s)
+        assert not fsdp_r
+        assert fsdp_s == (rank > 0), rank  # the second stage's two processes shard it

@@ -18,6 +18,9 @@ from meshpipe.plan.errors import PlanError
 __all__ = ["FORMAT", "Plan", "format_bytes"]
 
 FORMAT = "meshpipe-plan/1"
+# the axes a stage mesh of a plan may size (init_stage_meshes); dp_replicate x dp replicas
+# reduce gradients as one group (hand-written plans: the search makes dp and tp only)
+MESH_AXES = ("dp_replicate", "dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -255,8 +258,8 @@ def _check(p: Plan) -> None:
         raise PlanError(f"plan memory must have one entry per pp rank ({p.pp}), got {p.memory}")
     if not (isinstance(p.step_time, int | float) and math.isfinite(p.step_time)):
         raise PlanError(f"plan step_time must be a finite number, got {p.step_time!r}")
-    if p.dp_mode not in (None, "ddp", "fsdp"):
-        raise PlanError(f"plan dp_mode must be None, 'ddp' or 'fsdp', got {p.dp_mode!r}")
+    if p.dp_mode not in (None, "ddp", "fsdp", "hsdp"):
+        raise PlanError(f"plan dp_mode must be None, 'ddp', 'fsdp' or 'hsdp', got {p.dp_mode!r}")
 
 
 def _check_meshes(p: Plan) -> None:
@@ -265,11 +268,13 @@ def _check_meshes(p: Plan) -> None:
         raise PlanError(f"plan has {len(meshes)} stage meshes for pp {p.pp}; give one per rank")
     total = 0
     for i, m in enumerate(meshes):
-        if not isinstance(m, Mapping) or any(k not in ("dp", "tp") for k in m):
-            raise PlanError(f"plan stage mesh {i} must be a dict of 'dp'/'tp' sizes, got {m!r}")
+        if not isinstance(m, Mapping) or any(k not in MESH_AXES for k in m):
+            raise PlanError(
+                f"plan stage mesh {i} must be a dict of {'/'.join(MESH_AXES)} sizes, got {m!r}"
+            )
         for v in m.values():
             _int(f"stage_meshes[{i}]", v)
-        total += m.get("dp", 1) * m.get("tp", 1)
+        total += math.prod(m.get(axis, 1) for axis in MESH_AXES)
     if total != p.world_size:
         raise PlanError(
             f"plan stage meshes hold {total} processes, but world_size is {p.world_size}"

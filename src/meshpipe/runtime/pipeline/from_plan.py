@@ -84,7 +84,7 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
         "stages_per_rank": spr,
         "activation_checkpointing": _checkpointing(data["activation_checkpointing"], num_stages),
     }
+    kwargs["dp"] = data.get("dp_mode")  # stage meshes too: a hand-set mode is run as set
     if meshes is not None:
         return init_stage_meshes([dict(m) for m in meshes]), kwargs
-    kwargs["dp"] = data.get("dp_mode")
     return init_mesh(pp=int(data["pp"]), dp=int(data["dp"]), tp=int(data["tp"])), kwargs
