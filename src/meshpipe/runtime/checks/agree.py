@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ __all__ = [
     "CHECKS",
     "Agreement",
     "CallCheck",
+    "CallSpec",
     "check_locally",
     "check_mode",
     "agree",
@@ -54,6 +55,17 @@ __all__ = [
 
 CHECKS = ("shapes", "values", "first_values", "off")
 CPU = torch.device("cpu")
+
+
+class CallSpec(NamedTuple):
+    """A call as the pp ranks compare it: its name (``"step (grad_scale ...)"``,
+    ``"eval_step"``, ``"forward"``), its schedule, and what it was given."""
+
+    name: str
+    schedule: Schedule
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: Any
 
 
 class Agreement:
@@ -264,16 +276,13 @@ class CallCheck:
 
     def _describe(
         self,
-        call: str,
-        schedule: Schedule,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        target: Any,
+        spec: CallSpec,
         train_mode: bool,
     ) -> tuple[Described, list[torch.Tensor]]:
         """The call's fields, digests and leaf paths, kept per what they are a function of
         (the call, the schedule, the mode and ``call_key``): a call like an earlier one
         formats and hashes nothing. Its tensor leaves, in the paths' order."""
+        call, schedule, args, kwargs, target = spec
         digest = self._schedule_field(schedule)
         structure, tensors = call_key(args, kwargs, target)
         key = (call, digest, schedule.name, schedule.num_microbatches, train_mode,
@@ -289,18 +298,15 @@ class CallCheck:
 
     def _agreement(
         self,
-        call: str,
-        schedule: Schedule,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        target: Any,
+        spec: CallSpec,
         train_mode: bool,
         values: bool,
     ) -> tuple[Agreement, Gathered | None]:
         """Start the all-gather of the call's digests (with ``values``: and of the CPU
         leaves' fingerprint), and of the device leaves' fingerprint where there is a device
         gather."""
-        described, tensors = self._describe(call, schedule, args, kwargs, target, train_mode)
+        described, tensors = self._describe(spec, train_mode)
+        call = spec.name
         host: list[torch.Tensor] | None = None
         explain: Callable[[torch.Tensor], str | None] | None = None
         launched: Gathered | None = None
@@ -318,11 +324,7 @@ class CallCheck:
 
     def start(
         self,
-        call: str,
-        schedule: Schedule,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        target: Any,
+        spec: CallSpec,
         train_mode: bool,
         training: bool,
         has_loss: bool,
@@ -330,6 +332,7 @@ class CallCheck:
         """Start checking a call (the digests travel while the step begins); returns the
         *gate* that finishes the checks, identically on every process. The previous call's
         device values are read first: a difference raises PipelineError here."""
+        call, _schedule, args, _kwargs, target = spec
         pending, self._pending = self._pending, None
         if pending is not None:
             self._read(pending, late=True)
@@ -341,9 +344,7 @@ class CallCheck:
         if mode == "first_values":  # every process's state moves alike: same mode everywhere
             mode = "values" if first else "shapes"
         if mode != "off":
-            agreement, launched = self._agreement(
-                call, schedule, args, kwargs, target, train_mode, mode == "values"
-            )
+            agreement, launched = self._agreement(spec, train_mode, mode == "values")
         if launched is not None and not first:
             self._pending = launched  # read by the next call
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.parallel.partial import settle_grads
-from meshpipe.runtime.checks.agree import CallCheck
+from meshpipe.runtime.checks.agree import CallCheck, CallSpec
 from meshpipe.runtime.failures.closing import (
     closing_ahead,
     failed_elsewhere,
@@ -97,15 +97,7 @@ class StepDriver:
         self.closing: Posted | None = None
 
     def check_call(
-        self,
-        call: str,
-        schedule: Schedule,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        target: Any,
-        modes: tuple[bool, bool],
-        has_loss: bool,
-        split_pending: bool,
+        self, spec: CallSpec, modes: tuple[bool, bool], has_loss: bool, split_pending: bool
     ) -> Callable[[], None]:
         """Start checking a call (``modes``: the pipeline's train mode, and whether this call
         trains); returns the gate that finishes the checks (see Pipeline._begin)."""
@@ -118,7 +110,7 @@ class StepDriver:
                 "so restart the job (or build a new Pipeline on a new process group)"
             )
         mode, training = modes
-        gate = self.calls.start(call, schedule, args, kwargs, target, mode, training, has_loss)
+        gate = self.calls.start(spec, mode, training, has_loss)
         if split_pending:
             gate()  # the split is collective: agree before it
             return lambda: None

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError
 from meshpipe.parallel.hf_plan import auto_ep_plan, auto_tp_plan
-from meshpipe.runtime.checks.agree import check_mode
+from meshpipe.runtime.checks.agree import CallSpec, check_mode
 from meshpipe.runtime.failures.closing import closing_status, reads_closing
 from meshpipe.runtime.generate.api import GenTarget, generate
 from meshpipe.runtime.mesh.spmd import Spmd
@@ -248,9 +248,8 @@ class Pipeline(PipelineViews):
         pending = self._whole is not None and self._whole.pending
         modes = (self._training, training)
         has_loss = self.loss_fn is not None
-        gate = self._driver.check_call(
-            what, schedule, *call, modes, has_loss, split_pending=pending
-        )
+        spec = CallSpec(what, schedule, *call)
+        gate = self._driver.check_call(spec, modes, has_loss, split_pending=pending)
         if self._cp is not None:
             call = self._cp.cut(call, gate, self.check_inputs)
         self._ensure_split(call[0], call[1])
