@@ -31,6 +31,7 @@ from meshpipe.runtime.checks.describe import (
     schedule_digest,
 )
 from meshpipe.runtime.checks.values import (
+    SLOTS,
     DeviceGather,
     Gathered,
     fingerprint,
@@ -40,7 +41,7 @@ from meshpipe.runtime.checks.values import (
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.step.pytree import flatten
-from meshpipe.runtime.transfer.exchange import Exchange, exchanges
+from meshpipe.runtime.transfer.exchange import Ahead, Exchange, Routes, exchanges
 from meshpipe.schedule.ir import Schedule
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 CHECKS = ("shapes", "values", "first_values", "off")
+_WHAT = "the call check"
 CPU = torch.device("cpu")
 
 
@@ -85,6 +87,7 @@ class Agreement:
         values: torch.Tensor | Sequence[torch.Tensor] | None = None,
         explain: Callable[[torch.Tensor], str | None] | None = None,
         digests: torch.Tensor | None = None,
+        ahead: Ahead | None = None,
     ) -> None:
         self.fields = fields
         self._group, self._size, self._timeout, self._rank = group, size, timeout, rank
@@ -100,8 +103,15 @@ class Agreement:
             parts = [values] if isinstance(values, torch.Tensor) else list(values)
             self._mine = torch.cat([self._mine, *parts])
         self._exchange: Exchange | None = None
+        # ``ahead``: this exchange's receives were posted when the last one was done, and
+        # the next one's are posted when this one is (a fixed-size exchange, CallCheck's)
+        self._ahead = ahead
         if exchanges(group, self._mine):  # point to point (runtime/transfer/exchange.py)
-            self._exchange = Exchange(group, self._mine, "the call check")
+            if ahead is None:
+                self._exchange = Exchange(group, self._mine, "the call check")
+            else:
+                posted = ahead.take(self._mine)
+                self._exchange = Exchange(group, self._mine, _WHAT, ahead.tag, posted, ahead.routes)
             return
         self._every = [torch.empty_like(self._mine) for _ in range(size)]
         self._work = dist.all_gather(self._every, self._mine, group=group, async_op=True)
@@ -113,7 +123,9 @@ class Agreement:
         others = [r for r in range(self._size) if r != self._rank]
         try:
             if self._exchange is not None:
-                self._every = self._exchange.wait(self._timeout, "the call check")
+                self._every = self._exchange.wait(self._timeout, _WHAT)
+                if self._ahead is not None:
+                    self._ahead.post(self._mine, _WHAT)
             else:
                 name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
                 wait_work(self._work, self._timeout, "the call check", peer_name=name)
@@ -136,6 +148,12 @@ class Agreement:
             raise PipelineError(_difference(texts))
         why = None if self._explain is None else self._explain(torch.stack(self._every)[:, n:])
         raise PipelineError(why or "the pp ranks' input values differ")
+
+
+@functools.cache
+def _no_values() -> torch.Tensor:
+    """The values' part of a call check message without values (never written)."""
+    return torch.zeros(2 * SLOTS, dtype=torch.int64)
 
 
 def agree(
@@ -212,6 +230,7 @@ class CallCheck:
         layout: Layout | None = None,
         data: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        routes: Routes | None = None,
     ) -> None:
         self.mode = mode
         self._group, self._size, self._rank, self._timeout = group, size, rank, timeout
@@ -229,6 +248,9 @@ class CallCheck:
         if values and data is not None and (device.type == "cuda" or aid):
             self._gather = DeviceGather(data, size, device, timeout)
         self._pending: Gathered | None = None  # the last call's device values, unread
+        # every call sends 3 + 2 * SLOTS int64 (describe.digests_of, then the values or
+        # zeros), so the next call's receives are posted as soon as a call's check is done
+        self._ahead = Ahead(group, routes) if size > 1 else None
 
     def _name(self, proc: int) -> str:
         lay = self._layout
@@ -316,9 +338,11 @@ class CallCheck:
             explain = functools.partial(verdict, paths=paths, name=self._name, call=call)
             if self._gather is not None and on_device is not None:
                 launched = self._gather.launch(on_device, paths, call)
+        if host is None:  # the same size with or without values (Ahead)
+            host = [_no_values()]
         agreement = Agreement(
             described.fields, self._group, self._size, self._timeout, self._rank, host,
-            explain, described.digests,
+            explain, described.digests, self._ahead,
         )  # fmt: skip
         return agreement, launched
 

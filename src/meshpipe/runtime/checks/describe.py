@@ -14,7 +14,14 @@ import torch
 
 from meshpipe.schedule.ir import Schedule
 
-__all__ = ["Described", "Leaves", "call_key", "describe_call", "digests_of", "schedule_digest"]
+__all__ = [
+    "Described",
+    "Leaves",
+    "call_key",
+    "describe_call",
+    "digests_of",
+    "schedule_digest",
+]
 
 Leaves = list[tuple[str, torch.Tensor]]  # (path, tensor) of every tensor leaf, in order
 
@@ -111,8 +118,8 @@ def call_key(
 
 
 class Described(NamedTuple):
-    """A call's fields, their digests as the int64 tensor the call check sends (one 7-byte
-    digest per field in name order, then the field count), and its tensor leaves' paths."""
+    """A call's fields, their digest as the int64 tensor the call check sends (see
+    :func:`digests_of`), and its tensor leaves' paths."""
 
     fields: dict[str, str]
     digests: torch.Tensor
@@ -120,10 +127,13 @@ class Described(NamedTuple):
 
 
 def digests_of(fields: Mapping[str, str]) -> torch.Tensor:
-    """The int64 tensor of ``fields``' digests that the call check exchanges."""
-    names = sorted(fields)
-    digests = [
-        int.from_bytes(hashlib.blake2b(fields[n].encode(), digest_size=7).digest(), "big")
-        for n in names
-    ]
-    return torch.tensor([*digests, len(names)], dtype=torch.int64)
+    """The int64 tensor of ``fields``' digest that the call check exchanges: a 14-byte
+    digest of every field with its name, as two 7-byte numbers, then the field count. Its
+    size does not depend on the call, so the next call's receives can be posted ahead;
+    where digests differ, the ranks exchange the fields themselves to say what differs."""
+    h = hashlib.blake2b(digest_size=14)
+    for n in sorted(fields):
+        h.update(f"{len(n)}:{n}{len(fields[n])}:{fields[n]}".encode())
+    d = h.digest()
+    a, b = int.from_bytes(d[:7], "big"), int.from_bytes(d[7:], "big")
+    return torch.tensor([a, b, len(fields)], dtype=torch.int64)

@@ -32,6 +32,7 @@ from meshpipe.runtime.transfer.exchange import (
     TAG_CLOSING,
     Exchange,
     Posted,
+    Routes,
     all_reduce_small,
     exchanges,
     group_view,
@@ -60,6 +61,7 @@ def join_failed(
     timeout: float,
     dp: bool = True,
     posted: Posted | None = None,
+    routes: Routes | None = None,
 ) -> None:
     """A failed process's part of the closing collective, on CPU meshes (best effort: the
     groups may be broken, and the process raises its own error right after): the loss
@@ -71,7 +73,8 @@ def join_failed(
     its dp peers are in such collectives) for the others (as the play-out after a failure
     does): its own error must not wait for a peer that is slow; a peer arriving later
     finds the failure when this process exits or completes the collective. ``posted``:
-    the receives of the loss's exchange over pp, if the step posted them ahead."""
+    the receives of the loss's exchange over pp, if the step posted them ahead; ``routes``:
+    that exchange's (as the peers')."""
     if not reads_closing(topo.device):
         return
     # with dp collectives in the actions (``dp`` False) a pp peer may be held in one of them
@@ -86,7 +89,7 @@ def join_failed(
             return
         reduce_loss_host(
             {}, False, topo.pp_group, topo.dp_group if dp else None, timeout, topo.stage_meshes,
-            True, posted,
+            True, posted, routes,
         )  # fmt: skip
     except Exception:
         log.debug("rank %d: could not join the closing collective", topo.pp_rank, exc_info=True)
@@ -101,6 +104,7 @@ def reduce_loss_host(
     stage_meshes: bool,
     failed: bool,
     posted: Posted | None,
+    routes: Routes | None = None,
 ) -> tuple[torch.Tensor, float, int]:
     """runtime/step/reduce.py's ``reduce_loss`` on a CPU mesh, where reading a value waits
     for nothing: (loss as a 0-dim float64 tensor, gradient scale, failures). The four
@@ -109,16 +113,17 @@ def reduce_loss_host(
     and only the loss becomes a tensor: the closing costs its exchange and one tensor
     instead of some twenty operations on 0-dim tensors. ``posted``: the receives of the
     exchange over ``pp_group`` posted ahead by the step (:func:`closing_ahead`), used or
-    kept alive here."""
+    kept alive here; ``routes``: that exchange's (runtime/transfer/exchange.py)."""
     try:
         buf = _local_numbers(records, holds_last_stage, failed)
         dp_size = 1
         if stage_meshes:
             what = "the loss all-reduce over the stage meshes"
-            buf = _sum_on_host(buf, pp_group, what, timeout, posted)
+            buf = _sum_on_host(buf, pp_group, what, timeout, posted, routes)
         else:
             if group_view(pp_group).size > 1:  # an all-reduce: any rank may flag a failure
-                buf = _sum_on_host(buf, pp_group, "the loss all-reduce over pp", timeout, posted)
+                what = "the loss all-reduce over pp"
+                buf = _sum_on_host(buf, pp_group, what, timeout, posted, routes)
             if dp_group is not None:
                 buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
                 dp_size = group_view(dp_group).size
@@ -167,14 +172,15 @@ def _divide(a: float, b: float) -> float:
     return a / b
 
 
-def closing_ahead(pp_group: dist.ProcessGroup) -> Posted | None:
+def closing_ahead(pp_group: dist.ProcessGroup, routes: Routes | None = None) -> Posted | None:
     """The receives of a step's closing exchange over ``pp_group`` (a CPU mesh), posted
     once its transfers are allowed (after the call check's gate): the last rank to finish
-    then finds its peers' numbers there, instead of asking for them (a round trip)."""
+    then finds its peers' numbers there, instead of asking for them (a round trip).
+    ``routes``: the exchange's (one way per connection, runtime/transfer/exchange.py)."""
     like = torch.zeros(4, dtype=torch.float64)
     if not exchanges(pp_group, like):
         return None
-    return Posted(pp_group, like, TAG_CLOSING, "the loss all-reduce over pp")
+    return Posted(pp_group, like, TAG_CLOSING, "the loss all-reduce over pp", routes)
 
 
 def _sum_on_host(
@@ -183,6 +189,7 @@ def _sum_on_host(
     what: str,
     timeout: float,
     posted: Posted | None = None,
+    routes: Routes | None = None,
 ) -> list[float]:
     """``values`` summed over ``group`` (CPU), bounded: point to point on a small group
     (runtime/transfer/exchange.py; into the receives ``posted`` ahead, where given), in
@@ -194,7 +201,7 @@ def _sum_on_host(
         work = dist.all_reduce(mine, group=group, async_op=True)
         wait_work(work, timeout, what)
         return list(mine.tolist())
-    ex = Exchange(group, mine, what, TAG_CLOSING, posted)
+    ex = Exchange(group, mine, what, TAG_CLOSING, posted, routes)
     rows = [t.tolist() for t in ex.wait(timeout, what)]
     total = rows[0]
     for row in rows[1:]:

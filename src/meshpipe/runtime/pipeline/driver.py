@@ -77,9 +77,13 @@ class StepDriver:
         self.program_memos: dict[int, dict[str, Any]] = {}
         self.channels: Channels = pp_channels(topo)
         self.tp_size = 1 if topo.tp_mesh is None else topo.tp_mesh.size()
+        # on gloo the call check travels on the data groups, one way per connection (its
+        # exchange, runtime/transfer/exchange.py); else on ctrl (the data group is NCCL)
+        ch = self.channels
+        routes = ch.exchange_routes
         self.calls = CallCheck(
-            check_inputs, self.channels.ctrl, len(topo.layout.ranks), topo.layout.me,
-            timeout, topo.layout, self.channels.data, topo.device,
+            check_inputs, ch.ctrl if routes is None else ch.data, len(topo.layout.ranks),
+            topo.layout.me, timeout, topo.layout, ch.data, topo.device, routes,
         )  # fmt: skip
         self.descs = DescCache()
         self.inputs = CallInputs(topo)  # a call's microbatches, and their signatures
@@ -95,6 +99,9 @@ class StepDriver:
         # the receives of this call's closing exchange over pp, posted once its gate passed
         # (CPU meshes; failures/closing.py: closing_ahead), until the closing takes them
         self.closing: Posted | None = None
+        # its routes: one way per connection where the pp group carries the data (gloo)
+        same = self.channels.data is topo.pp_group
+        self.closing_routes = self.channels.exchange_routes if same else None
 
     def check_call(
         self, spec: CallSpec, modes: tuple[bool, bool], has_loss: bool, split_pending: bool
@@ -185,7 +192,7 @@ class StepDriver:
         def gate_then_post() -> None:
             gate()
             if self.closing is None:
-                self.closing = closing_ahead(self.topology.pp_group)
+                self.closing = closing_ahead(self.topology.pp_group, self.closing_routes)
 
         return gate_then_post
 
@@ -218,7 +225,8 @@ class StepDriver:
         if isinstance(e, Exception) and not isinstance(e, CommTimeoutError):
             # step and eval_step close on the loss, forward on a status (closing.py)
             dp = not self.spmd.collectives_in_actions(training, self.accumulate.usual)
-            join_failed(self.topology, closes_on_loss, self.timeout, dp, posted)
+            routes = self.closing_routes
+            join_failed(self.topology, closes_on_loss, self.timeout, dp, posted, routes)
         elif posted is not None:
             posted.keep()  # no closing to use them: kept (gloo breaks a freed receive's group)
         self.descs = DescCache()  # descriptions are unknown after a broken step
@@ -294,7 +302,7 @@ class StepDriver:
         if reads_closing(topo.device):
             return reduce_loss_host(
                 records, contributes, topo.pp_group, topo.dp_group, self.timeout,
-                topo.stage_meshes, False, self.take_closing(),
+                topo.stage_meshes, False, self.take_closing(), self.closing_routes,
             )  # fmt: skip
         return reduce_loss(
             records, contributes, topo.pp_group, topo.dp_group, topo.device,

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshpipe.runtime.transfer.exchange import Routes, directed_routes
+
 __all__ = ["Channels", "Op", "post_ops"]
 
 Op = tuple[str, torch.Tensor, int]  # ("send" or "recv", tensor, peer process index)
@@ -56,6 +58,12 @@ class Channels:
             frm = back if back is not None and peer > me else data
             out.append((to.send, dist.get_group_rank(to, g), frm.recv, dist.get_group_rank(frm, g)))
         return tuple(out)
+
+    @functools.cached_property
+    def exchange_routes(self) -> Routes | None:
+        """Routes of the exchanges on ``data`` (the call check's): one way per connection,
+        as the transfers (None without ``back``: both ways on ``data``)."""
+        return None if self.back is None else directed_routes(self.data, self.back)
 
 
 def post_ops(ch: Channels, ops: list[Op]) -> list[Any]:
