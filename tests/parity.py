@@ -380,3 +380,17 @@ def dtensor_case(mesh: Any) -> dict[str, Any]:
         worst["loss"] = max(worst["loss"], abs(loss.item() - expected.item()))
         worst["grad"] = max(worst["grad"], full_grad_diff(pipe, ref))
     return {"worst": worst, "param": 0.0, "inputs": sorted(set(seen))}
+
+
+def backward_next(schedule: meshpipe.Schedule, rank: int) -> int:
+    """How many of ``rank``'s F actions are followed at once, on that rank, by the same
+    microbatch's B, or its I on a stage with input gradients (not stage 0): those whose
+    activations "full" checkpointing keeps instead of replaying (their replay would make
+    them again right away, with nothing run in between)."""
+    row = schedule.actions[rank]
+    count = 0
+    for a, b in zip(row, row[1:]):
+        same = (a.stage, a.mb) == (b.stage, b.mb)
+        if a.op.name == "F" and same and (b.op.name == "B" or (b.op.name == "I" and a.stage > 0)):
+            count += 1
+    return count

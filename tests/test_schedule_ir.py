@@ -103,3 +103,24 @@ def test_construction_errors(rows: list[list[object]], message: str, cell: tuple
     with pytest.raises(ScheduleError, match=message) as info:
         Schedule(2, 2, (0, 1), rows)  # type: ignore[arg-type]
     assert (info.value.rank, info.value.position) == cell
+
+
+def test_kept_forwards_counts_each_forward_followed_by_its_backward() -> None:
+    """Schedule.kept_forwards (the forwards "full" checkpointing keeps whole) against a
+    count per rank written here, for every generator over a grid of sizes; and known
+    values: 1f1b's last stage keeps every microbatch, zbv's last stage two."""
+    from parity import backward_next
+
+    for name in schedule_names():
+        for ranks, mbs in ((2, 4), (4, 8), (3, 6)):
+            try:
+                s = get_schedule(name, num_ranks=ranks, num_microbatches=mbs)
+            except (ValueError, ScheduleError):
+                continue
+            per_rank = [0] * ranks
+            for stage, count in enumerate(s.kept_forwards):
+                per_rank[s.placement[stage]] += count
+            assert per_rank == [backward_next(s, r) for r in range(ranks)], (name, ranks, mbs)
+    assert get_schedule("1f1b", num_ranks=2, num_microbatches=4).kept_forwards == (0, 4)
+    assert get_schedule("zbv", num_ranks=2, num_microbatches=4).kept_forwards == (0, 0, 0, 2)
+    assert get_schedule("forward", num_ranks=2, num_microbatches=4).kept_forwards == (0, 0)

@@ -15,6 +15,7 @@ from meshpipe.plan.candidate import Layout, Settings, judge
 from meshpipe.plan.costs import PieceCost, Profile
 from meshpipe.plan.errors import PlanError
 from meshpipe.plan.value import Plan
+from meshpipe.schedule.ir import Schedule
 from meshpipe.schedule.registry import get_schedule
 
 __all__ = ["Calibration", "Row", "calibrate", "calibrated_profile"]
@@ -71,10 +72,14 @@ class Calibration:
         return "\n".join(out)
 
 
+def _schedule(plan: Plan) -> Schedule:
+    spr = plan.stages_per_rank if plan.stages_per_rank > 1 else None
+    return get_schedule(plan.schedule, plan.pp, plan.num_microbatches, spr)
+
+
 def _split(plan: Plan) -> bool:
     """Whether the plan's schedule splits the backward into I and W."""
-    spr = plan.stages_per_rank if plan.stages_per_rank > 1 else None
-    return get_schedule(plan.schedule, plan.pp, plan.num_microbatches, spr).uses_split_backward
+    return _schedule(plan).uses_split_backward
 
 
 def _kinds(plan: Plan) -> tuple[str, ...]:
@@ -159,10 +164,12 @@ def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -
         raise PlanError(f"calibrate: the plan's schedule {plan.schedule!r} cannot be judged")
     oh = st.overhead
     split = _split(plan)
+    kept = _schedule(plan).kept_forwards
     bounds = [0, *starts, len(profile.pieces)]
     pieces = list(profile.pieces)
     for s, ((f, b, w), (mf, mi, mw)) in enumerate(zip(again.stage_costs, cal.measured)):
-        recompute = max(mf - oh, 0.0) if plan.activation_checkpointing[s] else 0.0
+        share = 1.0 - kept[s] / plan.num_microbatches  # of the forwards run again
+        recompute = max(mf - oh, 0.0) * share if plan.activation_checkpointing[s] else 0.0
         rf = _ratio(mf - oh, f - oh)
         if split:
             rw = _ratio(mw - oh, w - oh)

@@ -113,9 +113,18 @@ class _Stage:
 
 
 def _stage(
-    sums: _Sums, first: int, end: int, rows: float, speed: float, ac: bool, sh: float
+    sums: _Sums,
+    first: int,
+    end: int,
+    rows: float,
+    speed: float,
+    ac: bool,
+    sh: float,
+    kept: float = 0.0,
 ) -> _Stage:
-    """Pieces ``first..end-1`` as one stage: times over ``speed``, bytes per process."""
+    """Pieces ``first..end-1`` as one stage: times over ``speed``, bytes per process.
+    ``kept``: the share of the stage's microbatches whose forward a checkpointed stage
+    keeps (its backward next: Schedule.kept_forwards), which it does not run again."""
     f = sums.at("f", first, end, rows) / speed
     i = sums.at("i", first, end, rows) / speed
     w = sums.at("w", first, end, rows) / speed
@@ -126,7 +135,8 @@ def _stage(
     static = (sums.static[end] - sums.static[first]) / sh
     if ac:
         held = sums.pieces[first].input.at(rows)
-        return _Stage(f, i + f, w, b + f, static, held, saved, True)
+        again = f * (1.0 - kept)
+        return _Stage(f, i + again, w, b + again, static, held, saved, True)
     return _Stage(f, i, w, b, static, saved, 0.0, False)
 
 
@@ -158,11 +168,12 @@ def judge(
     cap = st.memory_per_rank
     single = sched.stages_per_rank == 1
     split = sched.uses_split_backward
+    kept = [k / mb for k in sched.kept_forwards]
 
     def make(stage: int, first: int, end: int, ac: bool) -> _Stage:
         r = rank_of[stage]
         rows = rows_mb / layout.dp_of(r)
-        return _stage(sums, first, end, rows, speed_tp, ac, shards[r])
+        return _stage(sums, first, end, rows, speed_tp, ac, shards[r], kept[stage])
 
     def seg_cost(stage: int, first: int, end: int) -> float:
         best = math.inf

@@ -222,6 +222,20 @@ class Schedule:
         return any(a.op in (Op.I, Op.W) for row in self.actions for a in row)
 
     @property
+    def kept_forwards(self) -> tuple[int, ...]:
+        """Per stage, how many of its F are followed at once, on their rank, by the same
+        microbatch's B, or its I on a stage after the first (one with input gradients):
+        those whose activations "full" checkpointing keeps instead of running the forward
+        again (the replay would make them right away, with nothing run in between)."""
+        out = [0] * self.num_stages
+        for row in self.actions:
+            for a, b in zip(row, row[1:]):
+                backward = b.op is Op.B or (b.op is Op.I and a.stage > 0)
+                if a.op is Op.F and backward and (b.stage, b.mb) == (a.stage, a.mb):
+                    out[a.stage] += 1
+        return tuple(out)
+
+    @property
     def is_inference(self) -> bool:
         """True if the schedule has only forward actions."""
         return all(a.op is Op.F for row in self.actions for a in row)

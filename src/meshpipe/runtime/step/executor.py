@@ -65,12 +65,14 @@ class _Route(NamedTuple):
     local_in: bool  # its input handed over by a stage on this rank
     put: Transfer | None  # its output, sent to another rank
     local_out: bool  # its output handed to a stage on this rank
+    then: Op | None  # F: the op of the next action here if it is this F's B or I, else None
 
 
 def _routes_of(schedule: Schedule, rank: int) -> tuple[_Route, ...]:
     placement, last = schedule.placement, schedule.num_stages - 1
+    row = schedule.actions[rank]
     out = []
-    for a in schedule.actions[rank]:
+    for i, a in enumerate(row):
         s, mb = a.stage, a.mb
         take: Transfer | None = None
         put: Transfer | None = None
@@ -94,7 +96,11 @@ def _routes_of(schedule: Schedule, rank: int) -> tuple[_Route, ...]:
                 local_out = True
             elif s > 0:
                 put = Transfer("grad", s, s - 1, mb)
-        out.append(_Route(a, a.op, s, mb, take, peer, local_in, put, local_out))
+        after = row[i + 1] if i + 1 < len(row) else None
+        then = None
+        if a.op is Op.F and after is not None and (after.stage, after.mb) == (s, mb):
+            then = after.op if after.op in (Op.B, Op.I) else None
+        out.append(_Route(a, a.op, s, mb, take, peer, local_in, put, local_out, then))
     return tuple(out)
 
 
@@ -153,8 +159,9 @@ class _Interpreter:
         out: Any = None
         if forward:
             out = st.forward(
-                mb, value, self.inputs[mb], self.targets[mb], self.shares[mb], self.training
-            )
+                mb, value, self.inputs[mb], self.targets[mb], self.shares[mb], self.training,
+                r.then,
+            )  # fmt: skip
         elif r.op is Op.W:
             st.weight(mb)
         else:  # B or I

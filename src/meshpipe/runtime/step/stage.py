@@ -19,6 +19,7 @@ from meshpipe.runtime.step.loss_target import loss_args, target_use
 from meshpipe.runtime.step.pytree import flatten, unflatten
 from meshpipe.runtime.step.recompute import Replay, keeping_nothing, same_modes
 from meshpipe.runtime.step.slim import Boxes, keep_for_weights
+from meshpipe.schedule.ir import Op
 
 __all__ = ["StageRunner", "LossRecord", "as_stage_input"]
 
@@ -100,6 +101,7 @@ class StageRunner:
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
         self.keep_outputs = False  # last stage, training: keep outputs too
         self.released_bytes = 0  # saved tensors dropped between I and W (runtime/step/slim.py)
+        self.kept_forwards = 0  # "full": forwards whose activations were kept (see _replays)
         # last stage: a context its loss and backward run in (Pipeline(loss_parallel=True))
         self.loss_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
 
@@ -146,9 +148,11 @@ class StageRunner:
         target: Any,
         share: float,
         training: bool,
+        then: Op | None = None,
     ) -> Any:
         """Run F for ``mb`` on the boundary ``value`` (None on stage 0) and the microbatch's
-        model inputs; returns the output to pass on (last stage: a LossRecord)."""
+        model inputs; returns the output to pass on (last stage: a LossRecord). ``then``:
+        the op of this rank's next action when it is this microbatch's B or I here."""
         args, kwargs = mb_inputs
         if not training:
             with torch.no_grad():
@@ -159,13 +163,32 @@ class StageRunner:
         inputs, _ = flatten(value)
         saved = _Saved(inputs=inputs)
         self._saved[mb] = saved
-        if self.replay:
+        if self.replay and self._replays(then, inputs):
             saved.replay = Replay(
                 lambda: self._replayed(value, mb_inputs, target, share, mb), _device_of(self.module)
             )
             with keeping_nothing():
                 return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
+        if self.replay:  # its backward comes next: kept, as its replay would make them now
+            self.kept_forwards += 1
+            split = then is Op.I and not self.fused_backward
+            boxes = Boxes() if split else None  # from I to W, keep only what W uses
+            saving = boxes.saving(self.module) if boxes is not None else contextlib.nullcontext()
+            with saving:
+                out = self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
+            saved.boxes = boxes
+            return out
         return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
+
+    def _replays(self, then: Op | None, inputs: list[Any]) -> bool:
+        """Whether a replayed stage's F drops its activations ("full"): not when the rank's
+        next action is this microbatch's B, or its I with input gradients to make. Then
+        the replay would make them again at once, with nothing run in between: keeping
+        them changes no peak of memory and saves a forward (a first stage's I makes
+        nothing: its W, later, runs the backward, so its F keeps nothing)."""
+        if then is Op.B:
+            return False
+        return not (then is Op.I and any(getattr(x, "requires_grad", False) for x in inputs))
 
     def _replayed(
         self,
