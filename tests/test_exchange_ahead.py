@@ -6,7 +6,8 @@ just as the peer's message arrives, gloo's reading thread spun on the connection
 kept the posting thread off the CPU (the call check's post took 0.3 - 0.8 ms of wall time
 for 0.1 ms of CPU per step). Counted here on the process groups themselves (their send and
 recv wrapped before the Pipeline is built): every exchange message from rank 0 goes on the
-data group, every one from rank 1 on ``back``; before each call after the first, the call
+data group, every one from rank 1 on ``back``, and the control messages (end markers) to
+rank 1 on ctrl, those to rank 0 on ``back``; before each call after the first, the call
 check's receives for it are already posted. Pipelines that share the mesh, alive together
 or dropped, never take each other's call-check messages (a tag per Pipeline). One spawn of
 2 ranks, against one process.
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import meshpipe
+from meshpipe.runtime.transfer.channels import TAG_CTRL
 from meshpipe.runtime.transfer.exchange import TAG_AHEAD, TAG_CLOSING
 from meshpipe.testing import run_on_ranks
 
@@ -31,9 +33,11 @@ from parity import blocks, grad_diff, mse
 _CHECK_TAGS = range(TAG_AHEAD, TAG_AHEAD + (1 << 20))
 
 
-def _kind(tag: int) -> str | None:
+def _kind(tag: int, group: str) -> str | None:
     if tag in _CHECK_TAGS:
         return "check"
+    if tag == TAG_CTRL or (tag == 0 and group == "ctrl"):
+        return "ctrl"  # control messages: end markers, the first step's values whole
     return "closing" if tag == TAG_CLOSING else None
 
 
@@ -44,10 +48,11 @@ def _counting(counts: Counter[tuple[str, str, str, int]], names: dict[int, str])
 
     def wrap(fn: Any, op: str) -> Any:
         def post(self: Any, tensors: list[torch.Tensor], rank: int, tag: int) -> Any:
-            kind = _kind(tag)
+            name = names.get(id(self), "other")
+            kind = _kind(tag, name)
             if kind is not None:
                 peer = dist.get_global_rank(self, rank)
-                counts[(kind, names.get(id(self), "other"), op, peer)] += 1
+                counts[(kind, name, op, peer)] += 1
             return fn(self, tensors, rank, tag)
 
         return post
@@ -113,6 +118,20 @@ def test_exchanges_one_way_and_the_call_check_posted_ahead() -> None:
         assert res["parity"][0] <= 1e-5 and res["parity"][1] <= 1e-5, res["parity"]
         up, down = ("data", "back") if rank == 0 else ("back", "data")
         counts = {tuple(k.split("|")): v for k, v in res["counts"].items()}
+        # control messages (end markers, the first step's values whole): to rank 1 on
+        # ctrl, to rank 0 on back, at least an end marker per step each way
+        ctrl = {k: v for k, v in counts.items() if k[0] == "ctrl"}
+        sent_on = "back" if rank == 1 else "ctrl"
+        read_on = "ctrl" if rank == 1 else "back"
+        assert set(ctrl) == {
+            ("ctrl", sent_on, "send", str(peer)),
+            ("ctrl", read_on, "recv", str(peer)),
+        }, (
+            rank,
+            ctrl,
+        )
+        assert min(ctrl.values()) >= 3, (rank, ctrl)
+        counts = {k: v for k, v in counts.items() if k[0] != "ctrl"}
         # three steps: three call checks sent, four receives posted (the first call's own,
         # then one ahead after each call); three closings each way; nothing on another group
         assert counts == {

@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 from meshpipe.runtime.transfer.exchange import Routes, directed_routes
 
-__all__ = ["Channels", "Op", "post_ops"]
+__all__ = ["TAG_CTRL", "Channels", "Op", "post_ops"]
 
 Op = tuple[str, torch.Tensor, int]  # ("send" or "recv", tensor, peer process index)
 
 _Post = Callable[[list[torch.Tensor], int, int], Any]  # a group's send or recv
+TAG_CTRL = 0x6D72  # control messages on ``back`` (meshpipe's exchanges: 0x6D70, 0x6D71, ...)
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,23 @@ class Channels:
     back: dist.ProcessGroup | None = None
 
     @functools.cached_property
-    def ctrl_ranks(self) -> tuple[int, ...]:
-        """Process index -> rank in the ctrl group (posting on the group itself skips
-        torch.distributed's per-call argument checks, a large part of a gloo send's cost)."""
-        return tuple(dist.get_group_rank(self.ctrl, g) for g in self.global_ranks)
+    def ctrl_posts(self) -> tuple[tuple[_Post, int, int, _Post, int, int], ...]:
+        """Per peer: how a control message is sent to it and received from it, as ``(send,
+        its rank there, tag, recv, its rank there, tag)``: on ``ctrl`` to a higher process
+        index, and with ``back`` (gloo) on ``back`` to a lower one, with a tag of its own,
+        so that each connection carries messages one way (end markers cross at every
+        step's end)."""
+        ctrl, back = self.ctrl, self.back
+        me = self.global_ranks.index(dist.get_rank()) if back is not None else 0
+        out = []
+        for peer, g in enumerate(self.global_ranks):
+            to, send_tag = (back, TAG_CTRL) if back is not None and peer < me else (ctrl, 0)
+            frm, recv_tag = (back, TAG_CTRL) if back is not None and peer > me else (ctrl, 0)
+            out.append((
+                to.send, dist.get_group_rank(to, g), send_tag,
+                frm.recv, dist.get_group_rank(frm, g), recv_tag,
+            ))  # fmt: skip
+        return tuple(out)
 
     @functools.cached_property
     def posts(self) -> tuple[tuple[_Post, int, _Post, int], ...]:

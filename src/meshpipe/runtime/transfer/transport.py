@@ -4,6 +4,7 @@ the meshpipe error a failed post or a wait that ran out becomes."""
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from meshpipe.runtime.transfer.channels import Channels, Op, post_ops
 __all__ = ["Transport"]
 
 _MAX_IN_FLIGHT = 16  # sends kept pending before the oldest is waited for
+_READER_WAIT = datetime.timedelta(days=7)  # a ctrl reader's wait: the step's, however long
 
 
 class Transport:
@@ -74,20 +76,24 @@ class Transport:
         )
 
     def ctrl_send(self, peer: int, buf: torch.Tensor) -> Any:
-        """Send a control message (uint8 bytes) to ``peer``, on the ctrl group itself (what
-        ``dist.isend`` ends in, without its per-call argument checks)."""
+        """Send a control message (uint8 bytes) to ``peer``, on the group itself (what
+        ``dist.isend`` ends in, without its per-call argument checks): ctrl, or on gloo
+        ``back`` to a lower process index (Channels.ctrl_posts)."""
         try:
-            return self.ch.ctrl.send([buf], self.ch.ctrl_ranks[peer], 0)
+            send, to, tag, _, _, _ = self.ch.ctrl_posts[peer]
+            return send([buf], to, tag)
         except RuntimeError as e:
             raise self.translated(e, "sending a control message", [peer]) from e
 
     def ctrl_recv(self, peer: int, size: int) -> torch.Tensor:
-        """The next control message from ``peer`` (its reader thread only). No timeout here:
-        a reader may wait a whole step for the end marker; the main thread bounds its own
-        waits on the reader's queue."""
+        """The next control message from ``peer`` (its reader thread only). No timeout here
+        (a week, as the ctrl group's, also where it comes on ``back``): a reader may wait a
+        whole step for the end marker; the main thread bounds its own waits on the reader's
+        queue."""
         buf = torch.empty(size, dtype=torch.uint8)
         try:
-            self.ch.ctrl.recv([buf], self.ch.ctrl_ranks[peer], 0).wait()
+            _, _, _, recv, frm, tag = self.ch.ctrl_posts[peer]
+            recv([buf], frm, tag).wait(timeout=_READER_WAIT)
         except RuntimeError as e:
             raise self.translated(e, "receiving a control message", [peer]) from e
         return buf
