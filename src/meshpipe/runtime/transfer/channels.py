@@ -11,16 +11,16 @@ was free (docs/runtime.md, "Messages between ranks")."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshpipe.runtime.transfer.exchange import Routes, directed_routes
+from meshpipe.runtime.transfer.exchange import Routes, group_view
 
-__all__ = ["TAG_CTRL", "Channels", "Op", "post_ops"]
+__all__ = ["TAG_CTRL", "Channels", "Op", "one_way", "post_ops"]
 
 Op = tuple[str, torch.Tensor, int]  # ("send" or "recv", tensor, peer process index)
 
@@ -41,43 +41,56 @@ class Channels:
     back: dist.ProcessGroup | None = None
 
     @functools.cached_property
+    def _me(self) -> int:
+        return self.global_ranks.index(dist.get_rank()) if self.back is not None else 0
+
+    @functools.cached_property
+    def posts(self) -> tuple[tuple[_Post, int, _Post, int], ...]:
+        """Per peer: how to send it data and receive its data, one by one (gloo), as
+        ``(send, its rank in the sending group, recv, its rank in the receiving group)``:
+        on ``back`` what goes to the lower process index of the two."""
+        return one_way(self.global_ranks, self._me, self.data, self.back)
+
+    @functools.cached_property
     def ctrl_posts(self) -> tuple[tuple[_Post, int, int, _Post, int, int], ...]:
         """Per peer: how a control message is sent to it and received from it, as ``(send,
         its rank there, tag, recv, its rank there, tag)``: on ``ctrl`` to a higher process
         index, and with ``back`` (gloo) on ``back`` to a lower one, with a tag of its own,
         so that each connection carries messages one way (end markers cross at every
         step's end)."""
-        ctrl, back = self.ctrl, self.back
-        me = self.global_ranks.index(dist.get_rank()) if back is not None else 0
-        out = []
-        for peer, g in enumerate(self.global_ranks):
-            to, send_tag = (back, TAG_CTRL) if back is not None and peer < me else (ctrl, 0)
-            frm, recv_tag = (back, TAG_CTRL) if back is not None and peer > me else (ctrl, 0)
-            out.append((
-                to.send, dist.get_group_rank(to, g), send_tag,
-                frm.recv, dist.get_group_rank(frm, g), recv_tag,
-            ))  # fmt: skip
-        return tuple(out)
-
-    @functools.cached_property
-    def posts(self) -> tuple[tuple[_Post, int, _Post, int], ...]:
-        """Per peer: how to send to it and receive from it, one by one (gloo), as
-        ``(send, its rank in the sending group, recv, its rank in the receiving group)``:
-        on ``back`` what goes to the lower process index of the two."""
-        back, data = self.back, self.data
-        me = 0 if back is None else self.global_ranks.index(dist.get_rank())
-        out = []
-        for peer, g in enumerate(self.global_ranks):
-            to = back if back is not None and peer < me else data
-            frm = back if back is not None and peer > me else data
-            out.append((to.send, dist.get_group_rank(to, g), frm.recv, dist.get_group_rank(frm, g)))
-        return tuple(out)
+        ways = one_way(self.global_ranks, self._me, self.ctrl, self.back)
+        back = self.back
+        return tuple(
+            (send, to, TAG_CTRL if back is not None and peer < self._me else 0,
+             recv, frm, TAG_CTRL if back is not None and peer > self._me else 0)
+            for peer, (send, to, recv, frm) in enumerate(ways)
+        )  # fmt: skip
 
     @functools.cached_property
     def exchange_routes(self) -> Routes | None:
-        """Routes of the exchanges on ``data`` (the call check's): one way per connection,
-        as the transfers (None without ``back``: both ways on ``data``)."""
-        return None if self.back is None else directed_routes(self.data, self.back)
+        """Routes of the exchanges on ``data`` (the call check's and the closing's), by the
+        data group's ranks: one way per connection, as the transfers (None without
+        ``back``: both ways on ``data``)."""
+        if self.back is None:
+            return None
+        view = group_view(self.data)
+        return one_way(view.global_ranks, view.me, self.data, self.back)
+
+
+def one_way(
+    ranks: Sequence[int], me: int, up: dist.ProcessGroup, down: dist.ProcessGroup | None
+) -> tuple[tuple[_Post, int, _Post, int], ...]:
+    """Per process of ``ranks`` (global ranks; ``me``: this process's index there): how to
+    send to it and receive from it, as ``(send, its rank in the sending group, recv, its
+    rank in the receiving group)``. What goes to a lower index travels on ``down``, the
+    rest on ``up``, so that each connection carries messages one way (``down`` None:
+    everything on ``up``)."""
+    out = []
+    for peer, g in enumerate(ranks):
+        to = down if down is not None and peer < me else up
+        frm = down if down is not None and peer > me else up
+        out.append((to.send, dist.get_group_rank(to, g), frm.recv, dist.get_group_rank(frm, g)))
+    return tuple(out)
 
 
 def post_ops(ch: Channels, ops: list[Op]) -> list[Any]:

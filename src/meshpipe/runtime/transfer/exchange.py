@@ -14,8 +14,8 @@ groups) the collective is kept.
 Exchanges use a tag of their own, so they never match the group's other point-to-point
 messages (data, control, both tag 0).
 
-Given routes over a *partner* group of the same processes (:func:`directed_routes`: a
-Pipeline's data group and its ``back`` group on gloo, runtime/transfer/channels.py), an
+Given routes over a *partner* group of the same processes (``Channels.exchange_routes``:
+a Pipeline's data group and its ``back`` group on gloo, runtime/transfer/channels.py), an
 exchange sends to a lower rank of the group on the partner and to a higher one on the group
 itself, and receives likewise, so that each connection carries its messages one way. In
 a symmetric exchange on one connection, the peer's message arrived while this process was
@@ -47,7 +47,6 @@ __all__ = [
     "exchanges",
     "group_view",
     "Routes",
-    "directed_routes",
 ]
 
 TAG = 0x6D70  # "mp": meshpipe's exchanges, apart from the data and control messages (tag 0)
@@ -88,19 +87,6 @@ _Post = Callable[[list[torch.Tensor], int, int], Any]  # a group's send or recv
 # per rank of an exchange's group: how to send to it and receive from it, as
 # (send, its rank in the sending group, recv, its rank in the receiving group)
 Routes = tuple[tuple[_Post, int, _Post, int], ...]
-
-
-def directed_routes(group: dist.ProcessGroup, partner: dist.ProcessGroup) -> Routes:
-    """Routes for exchanges on ``group`` that send to its lower ranks on ``partner`` (a
-    group over the same processes) and receive from its higher ranks there: each
-    connection then carries the exchange's messages one way."""
-    view = group_view(group)
-    out = []
-    for r, g in enumerate(view.global_ranks):
-        to = partner if r < view.me else group
-        frm = partner if r > view.me else group
-        out.append((to.send, dist.get_group_rank(to, g), frm.recv, dist.get_group_rank(frm, g)))
-    return tuple(out)
 
 
 def _routes(group: dist.ProcessGroup, routes: Routes | None) -> Routes:
