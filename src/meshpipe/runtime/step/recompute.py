@@ -21,10 +21,11 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from meshpipe.errors import PipelineError
+from meshpipe.schedule.ir import Op
 
 __all__ = [
     "Policy", "check_policy", "stage_policy", "apply_policy", "backward_plan", "Replay",
-    "keeping_nothing",
+    "keeping_nothing", "replays",
 ]  # fmt: skip
 
 Policy = str | Callable[[str, nn.Module], bool] | None
@@ -175,6 +176,18 @@ class Replay:
             if self._cuda is not None:
                 torch.cuda.set_rng_state(self._cuda, self._device)
             return self._call()
+
+
+def replays(then: Op | None, inputs: list[Any]) -> bool:
+    """Whether a replayed stage's F drops its activations: not when the rank's next action
+    (``then``) is this microbatch's B, or its I with input gradients to make. Then the
+    replay would make them again at once, with nothing run in between: keeping them
+    changes no peak of memory and saves a forward (Schedule.kept_forwards counts them; a
+    first stage's I makes nothing: its W, later, runs the backward, so its F keeps
+    nothing)."""
+    if then is Op.B:
+        return False
+    return not (then is Op.I and any(getattr(x, "requires_grad", False) for x in inputs))
 
 
 def _drop(_t: torch.Tensor) -> None:

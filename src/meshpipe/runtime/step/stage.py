@@ -17,7 +17,7 @@ from meshpipe.errors import PipelineError
 from meshpipe.runtime.step.backward import WeightGrad, backward_full, backward_input
 from meshpipe.runtime.step.loss_target import loss_args, target_use
 from meshpipe.runtime.step.pytree import flatten, unflatten
-from meshpipe.runtime.step.recompute import Replay, keeping_nothing, same_modes
+from meshpipe.runtime.step.recompute import Replay, keeping_nothing, replays, same_modes
 from meshpipe.runtime.step.slim import Boxes, keep_for_weights
 from meshpipe.schedule.ir import Op
 
@@ -101,7 +101,7 @@ class StageRunner:
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
         self.keep_outputs = False  # last stage, training: keep outputs too
         self.released_bytes = 0  # saved tensors dropped between I and W (runtime/step/slim.py)
-        self.kept_forwards = 0  # "full": forwards whose activations were kept (see _replays)
+        self.kept_forwards = 0  # "full": forwards whose activations were kept (see replays)
         # last stage: a context its loss and backward run in (Pipeline(loss_parallel=True))
         self.loss_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
 
@@ -163,7 +163,7 @@ class StageRunner:
         inputs, _ = flatten(value)
         saved = _Saved(inputs=inputs)
         self._saved[mb] = saved
-        if self.replay and self._replays(then, inputs):
+        if self.replay and replays(then, inputs):
             saved.replay = Replay(
                 lambda: self._replayed(value, mb_inputs, target, share, mb), _device_of(self.module)
             )
@@ -179,16 +179,6 @@ class StageRunner:
             saved.boxes = boxes
             return out
         return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
-
-    def _replays(self, then: Op | None, inputs: list[Any]) -> bool:
-        """Whether a replayed stage's F drops its activations ("full"): not when the rank's
-        next action is this microbatch's B, or its I with input gradients to make. Then
-        the replay would make them again at once, with nothing run in between: keeping
-        them changes no peak of memory and saves a forward (a first stage's I makes
-        nothing: its W, later, runs the backward, so its F keeps nothing)."""
-        if then is Op.B:
-            return False
-        return not (then is Op.I and any(getattr(x, "requires_grad", False) for x in inputs))
 
     def _replayed(
         self,
