@@ -108,7 +108,7 @@ class Agreement:
         self._ahead = ahead
         if exchanges(group, self._mine):  # point to point (runtime/transfer/exchange.py)
             if ahead is None:
-                self._exchange = Exchange(group, self._mine, "the call check")
+                self._exchange = Exchange(group, self._mine, _WHAT)
             else:
                 posted = ahead.take(self._mine)
                 self._exchange = Exchange(group, self._mine, _WHAT, ahead.tag, posted, ahead.routes)
@@ -128,7 +128,7 @@ class Agreement:
                     self._ahead.post(self._mine, _WHAT)
             else:
                 name = f"pp rank {others[0]}" if len(others) == 1 else f"one of pp ranks {others}"
-                wait_work(self._work, self._timeout, "the call check", peer_name=name)
+                wait_work(self._work, self._timeout, _WHAT, peer_name=name)
         except CommTimeoutError as e:
             raise CommTimeoutError(
                 f"rank {self._rank} waited {self._timeout:.1f}s for pp rank(s) {others} to start "

@@ -14,14 +14,7 @@ import torch
 
 from meshpipe.schedule.ir import Schedule
 
-__all__ = [
-    "Described",
-    "Leaves",
-    "call_key",
-    "describe_call",
-    "digests_of",
-    "schedule_digest",
-]
+__all__ = ["Described", "Leaves", "call_key", "describe_call", "digests_of", "schedule_digest"]
 
 Leaves = list[tuple[str, torch.Tensor]]  # (path, tensor) of every tensor leaf, in order
 

@@ -171,13 +171,8 @@ class StageRunner:
                 return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
         if self.replay:  # its backward comes next: kept, as its replay would make them now
             self.kept_forwards += 1
-            split = then is Op.I and not self.fused_backward
-            boxes = Boxes() if split else None  # from I to W, keep only what W uses
-            saving = boxes.saving(self.module) if boxes is not None else contextlib.nullcontext()
-            with saving:
-                out = self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
-            saved.boxes = boxes
-            return out
+            with self._saving(saved, then is Op.I and not self.fused_backward):
+                return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
         return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
 
     def _replayed(
@@ -277,11 +272,16 @@ class StageRunner:
         split = split and not self.fused_backward
         if split and not any(x.requires_grad for x in saved.inputs):
             return  # W replays (see _backward)
-        boxes = Boxes() if split else None  # from I to W, keep only what W uses
-        saving = boxes.saving(self.module) if boxes is not None else contextlib.nullcontext()
-        with saving, self._loss_scope():
+        with self._saving(saved, split), self._loss_scope():
             saved.roots, saved.replay = saved.replay.run(), None
-        saved.boxes = boxes
+
+    def _saving(self, saved: _Saved, split: bool) -> contextlib.AbstractContextManager[Any]:
+        """Where a "full" stage's forward saves its tensors: with a split backward in boxes
+        (``saved.boxes``), so that from I to W only what W uses is kept; else as usual."""
+        saved.boxes = Boxes() if split else None
+        if saved.boxes is None:
+            return contextlib.nullcontext()
+        return saved.boxes.saving(self.module)
 
     def _backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         saved = self._saved[mb]
