@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import torch
@@ -54,3 +55,57 @@ def test_dropped_pipelines_leave_no_reader_thread() -> None:
         # finalizer, one more per dropped pipeline)
         assert counts == [1] * len(counts), counts
         assert again == first  # same parameters and batch: the kept pipeline still steps
+
+
+def _os_threads() -> int:
+    """Every thread of this process, gloo's included (not only Python's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+PLAN = {
+    "world_size": 2, "pp": 2, "dp": 1, "tp": 1, "schedule": "1f1b", "stages_per_rank": 1,
+    "num_microbatches": 2, "split_points": ["2"], "activation_checkpointing": [False, False],
+}  # fmt: skip
+
+
+def _resources_after_builds() -> dict[str, object]:
+    """OS threads after each of several Pipelines built, stepped and dropped on one mesh and
+    from one plan; whether from_plan gave every plan the same mesh; and two Pipelines alive
+    at once on the shared groups, stepped in turn, against each other."""
+    torch.set_num_threads(1)
+    mesh = meshpipe.init_mesh(pp=2)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    on_mesh, on_plan, meshes, losses = [], [], set(), []
+    for _ in range(4):
+        pipe = _build(mesh)
+        pipe.step(x, target=y)
+        del pipe
+        gc.collect()
+        on_mesh.append(_os_threads())
+    for _ in range(4):
+        pipe = meshpipe.Pipeline.from_plan(PLAN, _model(), loss_fn=nn.MSELoss())
+        pipe.step(x, target=y)
+        meshes.add(id(pipe.mesh))
+        del pipe
+        gc.collect()
+        on_plan.append(_os_threads())
+    a, b = _build(mesh), _build(mesh)  # same parameters: the same losses, step after step
+    for _ in range(3):
+        losses.append((float(a.step(x, target=y)), float(b.step(x, target=y))))
+    tags = {a._driver.channels.ctrl_posts[0][2], b._driver.channels.ctrl_posts[0][2]}
+    return {"mesh": on_mesh, "plan": on_plan, "meshes": len(meshes), "losses": losses,
+            "tags": len(tags)}  # fmt: skip
+
+
+def test_pipelines_share_their_groups() -> None:
+    """Each Pipeline used to make its own control and back groups (and from_plan a new
+    mesh): gloo threads and sockets that stay for the process's life (about 18 threads per
+    from_plan Pipeline), which slowed every later step of the process. Now the counts stay
+    flat after the first of each kind, and Pipelines sharing the groups still keep apart."""
+    for got in run_on_ranks(_resources_after_builds, 2, timeout=300):
+        assert got["mesh"] == [got["mesh"][0]] * 4, got
+        assert got["plan"][1:] == [got["plan"][1]] * 3, got  # the first made its mesh
+        assert got["meshes"] == 1, got
+        assert got["tags"] == 2, got  # each Pipeline's control messages under its own tag
+        for la, lb in got["losses"]:
+            assert la == lb, got

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshpipe.groups import shared
+
 __all__ = ["find_tied", "TiedWeights"]
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class TiedWeights:
         for ranks, members in sorted(by_ranks.items()):
             for column in columns:
                 global_ranks = [int(column[r]) for r in ranks]
-                group = dist.new_group(global_ranks)
+                group = _group(global_ranks)
                 if me not in global_ranks:
                     continue
                 pp_rank = ranks[global_ranks.index(me)]
@@ -97,7 +99,7 @@ class TiedWeights:
             if len(ranks) < 2:
                 continue
             members = sorted(r for pp in ranks for r in procs[pp])
-            group = dist.new_group(members)
+            group = _group(members)
             if mine in ranks:
                 s = min(s for s in where if placement[s] == mine)
                 self._groups.append(
@@ -142,3 +144,12 @@ class TiedWeights:
 
     def __bool__(self) -> bool:
         return bool(self._groups)
+
+
+def _group(global_ranks: list[int]) -> dist.ProcessGroup:
+    """The group over ``global_ranks`` (every process makes the call), made once per process
+    and shared by the Pipelines that tie parameters over them (meshpipe/groups.py)."""
+    group: dist.ProcessGroup = shared(
+        ("tied", tuple(global_ranks)), lambda: dist.new_group(global_ranks)
+    )[0]
+    return group

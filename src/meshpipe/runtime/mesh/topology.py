@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshpipe.errors import PipelineError
+from meshpipe.groups import shared
 from meshpipe.runtime.mesh.axes import (
     CP,
     MESH_AXES,
@@ -218,9 +219,10 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def pp_channels(topo: Topology) -> Channels:
     """The groups of this process's transfers along pp: data on the pp group itself, and a
-    gloo group over the same ranks for control messages (made here, by the pp group's
-    members only). On CUDA the pp group's NCCL communicator is set up eagerly, so that the
-    first batched send/receive need not involve every rank of the group.
+    gloo group over the same ranks for control messages (made by the pp group's members
+    only, once per process and set of ranks: meshpipe/groups.py). On CUDA the pp group's
+    NCCL communicator is set up eagerly, so that the first batched send/receive need not
+    involve every rank of the group.
 
     With stage meshes the groups span the world and every process makes them, so they are
     named by the world's group count: a locally synchronised group is named from how many
@@ -230,17 +232,26 @@ def pp_channels(topo: Topology) -> Channels:
     if len(ranks) == 1:
         return Channels(topo.pp_group, topo.pp_group, ranks, batched=False)
     local = not topo.stage_meshes
-    ctrl = dist.new_group(
-        list(ranks),
-        backend="gloo",
-        # its readers wait for a peer's next message for as long as a step lasts, however
-        # long that is; every wait of the main thread on it carries its own timeout
-        timeout=datetime.timedelta(days=7),
-        use_local_synchronization=local,
+    # made once per set of processes, shared by the Pipelines over them (meshpipe/groups.py);
+    # the serial gives this Pipeline's control messages a tag of their own
+    ctrl, serial = shared(
+        ("ctrl", ranks, local),
+        lambda: dist.new_group(
+            list(ranks),
+            backend="gloo",
+            # its readers wait for a peer's next message for as long as a step lasts,
+            # however long that is; every wait of the main thread on it carries its own
+            # timeout
+            timeout=datetime.timedelta(days=7),
+            use_local_synchronization=local,
+        ),
     )
     data = topo.pp_group
     if topo.stage_meshes:  # a group of its own for the transfers, as a pp group is
-        data = dist.new_group(list(ranks), use_local_synchronization=local)
+        data, _ = shared(
+            ("data", ranks, local),
+            lambda: dist.new_group(list(ranks), use_local_synchronization=local),
+        )
     cuda = topo.device.type == "cuda"
     if cuda:
         dist.all_reduce(torch.zeros(1, device=topo.device), group=data)
@@ -253,5 +264,8 @@ def pp_channels(topo: Topology) -> Channels:
     # MESHPIPE_P2P_ONE_GROUP=1 keeps both ways on one (a measuring aid)
     one = os.environ.get("MESHPIPE_P2P_ONE_GROUP", "") == "1"
     if not batched and not one and dist.get_backend(data) == "gloo":
-        back = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
-    return Channels(data, ctrl, ranks, batched=batched, back=back)
+        back, _ = shared(
+            ("back", ranks, local),
+            lambda: dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local),
+        )
+    return Channels(data, ctrl, ranks, batched=batched, back=back, ctrl_serial=serial)

@@ -64,6 +64,7 @@ def _checkpointing(flags: Any, num_stages: int) -> Any:
 
 def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
     """(the mesh or stage meshes, built now; Pipeline's keyword arguments) of ``plan``."""
+    from meshpipe.groups import shared
     from meshpipe.runtime.mesh.stage_meshes import init_stage_meshes
     from meshpipe.runtime.mesh.topology import init_mesh
 
@@ -85,6 +86,10 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
         "activation_checkpointing": _checkpointing(data["activation_checkpointing"], num_stages),
     }
     kwargs["dp"] = data.get("dp_mode")  # stage meshes too: a hand-set mode is run as set
+    # one mesh per layout in a process, whatever the number of plans run (meshpipe/groups.py)
     if meshes is not None:
-        return init_stage_meshes([dict(m) for m in meshes]), kwargs
-    return init_mesh(pp=int(data["pp"]), dp=int(data["dp"]), tp=int(data["tp"])), kwargs
+        specs = [dict(m) for m in meshes]
+        key = ("stage meshes", tuple(tuple(sorted(m.items())) for m in specs))
+        return shared(key, lambda: init_stage_meshes(specs))[0], kwargs
+    pp, dp, tp = int(data["pp"]), int(data["dp"]), int(data["tp"])
+    return shared(("mesh", pp, dp, tp), lambda: init_mesh(pp=pp, dp=dp, tp=tp))[0], kwargs

@@ -25,7 +25,9 @@ __all__ = ["TAG_CTRL", "Channels", "Op", "one_way", "post_ops"]
 Op = tuple[str, torch.Tensor, int]  # ("send" or "recv", tensor, peer process index)
 
 _Post = Callable[[list[torch.Tensor], int, int], Any]  # a group's send or recv
-TAG_CTRL = 0x6D72  # control messages on ``back`` (meshpipe's exchanges: 0x6D70, 0x6D71, ...)
+# control messages: this + the Pipeline's serial on its ctrl group (Channels.ctrl_serial), so
+# that Pipelines sharing the group never take each other's; below the exchanges' TAG_AHEAD
+TAG_CTRL = 0x6D6F << 16
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Channels:
     global_ranks: tuple[int, ...]  # process index (a peer) -> global rank
     batched: bool  # post each group with batch_isend_irecv (NCCL) instead of one by one
     back: dist.ProcessGroup | None = None
+    ctrl_serial: int = 0  # Pipelines made on ``ctrl`` before this one (meshpipe/groups.py)
 
     @functools.cached_property
     def _me(self) -> int:
@@ -55,16 +58,12 @@ class Channels:
     def ctrl_posts(self) -> tuple[tuple[_Post, int, int, _Post, int, int], ...]:
         """Per peer: how a control message is sent to it and received from it, as ``(send,
         its rank there, tag, recv, its rank there, tag)``: on ``ctrl`` to a higher process
-        index, and with ``back`` (gloo) on ``back`` to a lower one, with a tag of its own,
-        so that each connection carries messages one way (end markers cross at every
-        step's end)."""
+        index, and with ``back`` (gloo) on ``back`` to a lower one, so that each connection
+        carries messages one way (end markers cross at every step's end); under this
+        Pipeline's own tag (other Pipelines may share the groups)."""
         ways = one_way(self.global_ranks, self._me, self.ctrl, self.back)
-        back = self.back
-        return tuple(
-            (send, to, TAG_CTRL if back is not None and peer < self._me else 0,
-             recv, frm, TAG_CTRL if back is not None and peer > self._me else 0)
-            for peer, (send, to, recv, frm) in enumerate(ways)
-        )  # fmt: skip
+        tag = TAG_CTRL + self.ctrl_serial % (1 << 16)
+        return tuple((send, to, tag, recv, frm, tag) for send, to, recv, frm in ways)
 
     @functools.cached_property
     def exchange_routes(self) -> Routes | None:

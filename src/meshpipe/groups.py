@@ -1,0 +1,56 @@
+"""Process groups (and meshes) made once per process and found again by every Pipeline that
+needs the same ones.
+
+A process group lives as long as the process: gloo keeps a thread reading its connections,
+two running its collectives and a socket per peer, and torch 2.13 cannot free a locally
+synchronised group and make another (the new one is given the freed one's name and meets
+its rendezvous, pytorch#189073; docs/runtime.md). Made anew for every Pipeline, the groups
+piled up: after 60 Pipelines built by ``Pipeline.from_plan`` in each of 4 processes on 2
+cores (``benchmarks/bench_plan.py``), each process held about 1,000 threads, and a step
+took 2 - 4 times as long as in a fresh process (docs/plan.md, "Measured").
+
+So the groups a Pipeline adds to its mesh (the control group, ``back``, a stage-mesh
+pipeline's data group, the tied-parameter groups) and the meshes ``Pipeline.from_plan``
+builds are made once per purpose and set of processes, and handed out again. Construction
+is collective (every process of a group builds the same Pipelines in the same order), so
+each process finds or makes the same groups, and the serial handed out with a group (how
+many times it was handed out before) is the same on all of them: what must not mix
+between Pipelines that share a group travels under a tag made from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["shared"]
+
+T = TypeVar("T")
+
+_made: dict[Hashable, tuple[Any, list[int]]] = {}  # key -> (the object, [times handed out])
+_world: list[Any] = [None]  # the default process group the objects above belong to
+
+
+def shared(key: Hashable, make: Callable[[], T]) -> tuple[T, int]:
+    """The object ``make()`` made for ``key`` in this process (made now the first time), and
+    how many times it was handed out before. A new default process group (the job's
+    ``destroy_process_group`` and a new ``init_process_group``) starts afresh."""
+    _check_world()
+    held = _made.get(key)
+    if held is None:
+        held = (make(), [0])
+        _check_world()  # make() may have started the default group (init_mesh does)
+        _made[key] = held
+    serial = held[1][0]
+    held[1][0] += 1
+    return held[0], serial
+
+
+def _check_world() -> None:
+    """Forget what belongs to another default process group than the job's now."""
+    world = dist.group.WORLD
+    if _world[0] is not world:
+        _made.clear()
+        _world[0] = world
