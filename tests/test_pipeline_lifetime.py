@@ -109,3 +109,34 @@ def test_pipelines_share_their_groups() -> None:
         assert got["tags"] == 2, got  # each Pipeline's control messages under its own tag
         for la, lb in got["losses"]:
             assert la == lb, got
+
+
+def _boom(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    raise ValueError("boom in the loss")
+
+
+def _after_a_failure() -> dict[str, object]:
+    """A step that fails, then a new Pipeline on the same mesh: it gets new groups (the
+    failed one's are retired) and steps as one process does."""
+    torch.set_num_threads(1)
+    mesh = meshpipe.init_mesh(pp=2)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    bad = meshpipe.Pipeline(_model(), mesh, "1f1b", num_microbatches=2, loss_fn=_boom)
+    try:
+        bad.step(x, target=y)
+        raised = ""
+    except Exception as e:  # every rank raises: the last stage's error, or a notice of it
+        raised = str(e)
+    good = _build(mesh)
+    loss = float(good.step(x, target=y))
+    ref = float(nn.MSELoss()(_model()(x), y))
+    old, new = bad._driver.channels, good._driver.channels
+    return {"raised": raised, "loss": loss, "ref": ref,
+            "new_groups": old.ctrl is not new.ctrl and old.back is not new.back}  # fmt: skip
+
+
+def test_a_failed_pipelines_groups_are_not_handed_out_again() -> None:
+    for got in run_on_ranks(_after_a_failure, 2, timeout=300):
+        assert "boom in the loss" in got["raised"], got
+        assert got["new_groups"], got
+        assert abs(got["loss"] - got["ref"]) < 1e-6, got

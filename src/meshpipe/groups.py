@@ -15,7 +15,9 @@ builds are made once per purpose and set of processes, and handed out again. Con
 is collective (every process of a group builds the same Pipelines in the same order), so
 each process finds or makes the same groups, and the serial handed out with a group (how
 many times it was handed out before) is the same on all of them: what must not mix
-between Pipelines that share a group travels under a tag made from it.
+between Pipelines that share a group travels under a tag made from it. A Pipeline whose
+step failed retires its groups and mesh (:func:`retire`), on every process of it: the
+next Pipeline over those processes makes new ones, as it did before they were shared.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["shared"]
+__all__ = ["retire", "shared"]
 
 T = TypeVar("T")
 
@@ -46,6 +48,15 @@ def shared(key: Hashable, make: Callable[[], T]) -> tuple[T, int]:
     serial = held[1][0]
     held[1][0] += 1
     return held[0], serial
+
+
+def retire(*objects: Any) -> None:
+    """Hand ``objects`` out no more: the next call for their keys makes new ones. For the
+    groups of a Pipeline whose step failed (a timeout closes gloo's connections; a failure
+    can leave receives posted), on every process of the Pipeline (each one's step raised),
+    so that all of them make the same new groups."""
+    for key in [k for k, (obj, _) in _made.items() if any(obj is o for o in objects)]:
+        del _made[key]
 
 
 def _check_world() -> None:

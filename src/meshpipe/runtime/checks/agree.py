@@ -231,6 +231,7 @@ class CallCheck:
         data: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
         routes: Routes | None = None,
+        serial: int = 0,
     ) -> None:
         self.mode = mode
         self._group, self._size, self._rank, self._timeout = group, size, rank, timeout
@@ -250,7 +251,7 @@ class CallCheck:
         self._pending: Gathered | None = None  # the last call's device values, unread
         # every call sends 3 + 2 * SLOTS int64 (describe.digests_of, then the values or
         # zeros), so the next call's receives are posted as soon as a call's check is done
-        self._ahead = Ahead(group, routes) if size > 1 else None
+        self._ahead = Ahead(group, routes, serial) if size > 1 else None
 
     def _name(self, proc: int) -> str:
         lay = self._layout

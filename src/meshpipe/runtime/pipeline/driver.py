@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
+from meshpipe.groups import retire
 from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck, CallSpec
 from meshpipe.runtime.failures.closing import (
@@ -67,6 +68,7 @@ class StepDriver:
         accumulate: Accumulator,
     ) -> None:
         topo = self.topology = topology
+        self.mesh = mesh
         self.timeout = timeout
         self.spmd = spmd
         self.accumulate = accumulate
@@ -83,7 +85,7 @@ class StepDriver:
         routes = ch.exchange_routes
         self.calls = CallCheck(
             check_inputs, ch.ctrl if routes is None else ch.data, len(topo.layout.ranks),
-            topo.layout.me, timeout, topo.layout, ch.data, topo.device, routes,
+            topo.layout.me, timeout, topo.layout, ch.data, topo.device, routes, ch.ctrl_serial,
         )  # fmt: skip
         self.descs = DescCache()
         self.inputs = CallInputs(topo)  # a call's microbatches, and their signatures
@@ -217,7 +219,7 @@ class StepDriver:
         # after a failed step the channels' state is not proven consistent (a timeout
         # closes gloo's connections; a failure leaves ctrl readers to drain): no reuse
         what = "timed out" if isinstance(e, CommTimeoutError) else "failed"
-        self.broken = f"an earlier step {what} ({type(e).__name__}: {str(e)[:300]})"
+        self.fail(f"an earlier step {what} ({type(e).__name__}: {str(e)[:300]})")
         self.blame.claim_first(e)  # before any peer hears of it (runtime/failures/culprit.py)
         cause = comm.remote_cause()
         comm.abort(f"{type(e).__name__}: {e}", play_out=not isinstance(e, CommTimeoutError))
@@ -244,6 +246,13 @@ class StepDriver:
         e.meshpipe_status = report  # type: ignore[attr-defined]
         return e
 
+    def fail(self, why: str) -> None:
+        """A step failed: this Pipeline runs no more, and its groups and mesh are handed to
+        no later Pipeline (meshpipe/groups.py): their state is not proven consistent."""
+        self.broken = why
+        ch = self.channels
+        retire(ch.ctrl, ch.back, ch.data, self.mesh)
+
     def stop_if_failed(self, failures: torch.Tensor | int) -> None:
         """After the step's closing collective: raise if a process joined it as failed
         (with the failure notice a peer sent instead of its end marker, where one came),
@@ -251,7 +260,7 @@ class StepDriver:
         comm = self.comm_now
         why = failed_elsewhere(failures, self.topology.device, self.topology.pp_rank)
         if why:
-            self.broken = f"an earlier step failed ({why})"
+            self.fail(f"an earlier step failed ({why})")
             notice = None if comm is None else comm.failure_notice(min(self.timeout, 2.0))
             raise self.blame.named(notice if notice is not None else RemoteStageError(why))
         if comm is not None:
@@ -319,7 +328,7 @@ class StepDriver:
         self.blame.failed(err)  # claim or name the culprit (runtime/failures/culprit.py)
         report = self.report()
         log.error("meshpipe-status %s", json.dumps(report))
-        self.broken = f"an earlier step failed ({type(err).__name__}: {str(err)[:300]})"
+        self.fail(f"an earlier step failed ({type(err).__name__}: {str(err)[:300]})")
         err.meshpipe_status = report  # type: ignore[attr-defined]
         return err
 

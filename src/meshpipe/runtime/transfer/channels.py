@@ -28,6 +28,7 @@ _Post = Callable[[list[torch.Tensor], int, int], Any]  # a group's send or recv
 # control messages: this + the Pipeline's serial on its ctrl group (Channels.ctrl_serial), so
 # that Pipelines sharing the group never take each other's; below the exchanges' TAG_AHEAD
 TAG_CTRL = 0x6D6F << 16
+DATA_TAGS = 0x6D00  # data (gloo): the Pipeline's serial modulo this, below every other tag
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class Channels:
     batched: bool  # post each group with batch_isend_irecv (NCCL) instead of one by one
     back: dist.ProcessGroup | None = None
     ctrl_serial: int = 0  # Pipelines made on ``ctrl`` before this one (meshpipe/groups.py)
+
+    @property
+    def data_tag(self) -> int:
+        """The tag of this Pipeline's data transfers on gloo: a receive left posted by a
+        Pipeline whose step failed never takes a later one's data on a shared group."""
+        return self.ctrl_serial % DATA_TAGS
 
     @functools.cached_property
     def _me(self) -> int:
@@ -105,10 +112,10 @@ def post_ops(ch: Channels, ops: list[Op]) -> list[Any]:
         batch = dist.batch_isend_irecv(p2p)
         return [batch[-1]] * len(ops) if len(batch) != len(ops) else list(batch)
     # gloo: one by one, on the groups themselves (what dist.isend and dist.irecv end in)
-    posts = ch.posts
+    posts, tag = ch.posts, ch.data_tag
     works = []
     for kind, t, peer in ops:
         send, to, recv, frm = posts[peer]
         x = [torch.view_as_real(t) if t.is_complex() else t]
-        works.append(send(x, to, 0) if kind == "send" else recv(x, frm, 0))
+        works.append(send(x, to, tag) if kind == "send" else recv(x, frm, tag))
     return works

@@ -137,25 +137,22 @@ class Posted:
         _kept.extend(w for _, w in self.recvs)
 
 
-_serials: dict[int, tuple[dist.ProcessGroup, int]] = {}  # by the group's id: Aheads made
-
-
 class Ahead:
     """The receives of a recurring exchange on ``group`` (the call check's), posted for its
     next round as soon as a round is done (:meth:`post`), so that the round after finds
     them there: a process posting a receive when the peer's message is already on its way
     is what made gloo's reading thread spin (see the module's docstring).
 
-    Each Ahead has a tag of its own, ``TAG_AHEAD`` plus the number of Aheads made on the
-    group before it (the same on every process: Pipelines are built collectively), so
-    that a receive left posted by a Pipeline that is gone never takes the messages of a
-    later one. Receives still posted when the Ahead is freed are kept alive (freeing a
-    pending gloo receive breaks its group)."""
+    Each Ahead has a tag of its own, ``TAG_AHEAD`` plus its Pipeline's ``serial`` (the
+    number of Pipelines made before it on the groups it posts on, the same on every
+    process: meshpipe/groups.py), so that a receive left posted by a Pipeline that is gone
+    never takes the messages of a later one on any of its groups. Receives still posted
+    when the Ahead is freed are kept alive (freeing a pending gloo receive breaks its
+    group)."""
 
-    def __init__(self, group: dist.ProcessGroup, routes: Routes | None = None) -> None:
-        held = _serials.get(id(group))
-        serial = held[1] + 1 if held is not None and held[0] is group else 0
-        _serials[id(group)] = (group, serial)
+    def __init__(
+        self, group: dist.ProcessGroup, routes: Routes | None = None, serial: int = 0
+    ) -> None:
         self.group, self.routes = group, routes
         self.tag = TAG_AHEAD + serial % (1 << 20)
         self._box: list[Posted] = []  # the receives posted for the next round, if any
