@@ -31,23 +31,27 @@ __all__ = ["retire", "shared"]
 
 T = TypeVar("T")
 
-_made: dict[Hashable, tuple[Any, list[int]]] = {}  # key -> (the object, [times handed out])
+_made: dict[Hashable, Any] = {}  # key -> the object
+# key -> times an object was handed out for it, retired ones' included (so that a serial is
+# never handed out twice over the same processes: a retired group's Pipeline may have
+# left receives posted on a group that stays, the mesh's pp group)
+_count: dict[Hashable, int] = {}
 _world: list[Any] = [None]  # the default process group the objects above belong to
 
 
 def shared(key: Hashable, make: Callable[[], T]) -> tuple[T, int]:
-    """The object ``make()`` made for ``key`` in this process (made now the first time), and
-    how many times it was handed out before. A new default process group (the job's
+    """The object ``make()`` made for ``key`` in this process (made now the first time, or
+    the first time since it was retired), and how many times an object was handed out for
+    ``key`` before. A new default process group (the job's
     ``destroy_process_group`` and a new ``init_process_group``) starts afresh."""
     _check_world()
-    held = _made.get(key)
-    if held is None:
-        held = (make(), [0])
+    if key not in _made:
+        obj = make()
         _check_world()  # make() may have started the default group (init_mesh does)
-        _made[key] = held
-    serial = held[1][0]
-    held[1][0] += 1
-    return held[0], serial
+        _made[key] = obj
+    serial = _count.get(key, 0)
+    _count[key] = serial + 1
+    return _made[key], serial
 
 
 def retire(*objects: Any) -> None:
@@ -55,7 +59,7 @@ def retire(*objects: Any) -> None:
     groups of a Pipeline whose step failed (a timeout closes gloo's connections; a failure
     can leave receives posted), on every process of the Pipeline (each one's step raised),
     so that all of them make the same new groups."""
-    for key in [k for k, (obj, _) in _made.items() if any(obj is o for o in objects)]:
+    for key in [k for k, obj in _made.items() if any(obj is o for o in objects)]:
         del _made[key]
 
 
@@ -64,4 +68,5 @@ def _check_world() -> None:
     world = dist.group.WORLD
     if _world[0] is not world:
         _made.clear()
+        _count.clear()
         _world[0] = world

@@ -97,6 +97,18 @@ def actions_from(triples: Iterable[tuple[Op, int, int]]) -> list[Action]:
     return actions_from_columns([t[0] for t in rows], [t[1] for t in rows], [t[2] for t in rows])
 
 
+def backward_next(row: Sequence[Action], i: int) -> Op | None:
+    """The op of the action after ``row[i]`` on its rank when ``row[i]`` is an F and that
+    action is the same stage and microbatch's B or I (with nothing run in between), else
+    None: what "full" checkpointing keeps instead of replaying (Schedule.kept_forwards)."""
+    a = row[i]
+    if a.op is not Op.F or i + 1 >= len(row):
+        return None
+    b = row[i + 1]
+    same = b.stage == a.stage and b.mb == a.mb
+    return b.op if same and b.op in (Op.B, Op.I) else None
+
+
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - short constructors read like the text form
     """Forward action."""
     return new_action(Op.F, stage, mb)
@@ -229,9 +241,9 @@ class Schedule:
         again (the replay would make them right away, with nothing run in between)."""
         out = [0] * self.num_stages
         for row in self.actions:
-            for a, b in zip(row, row[1:]):
-                backward = b.op is Op.B or (b.op is Op.I and a.stage > 0)
-                if a.op is Op.F and backward and (b.stage, b.mb) == (a.stage, a.mb):
+            for i, a in enumerate(row):
+                then = backward_next(row, i)
+                if then is Op.B or (then is Op.I and a.stage > 0):
                     out[a.stage] += 1
         return tuple(out)
 

@@ -14,7 +14,7 @@ from meshpipe.runtime.step.microbatch import Microbatches
 from meshpipe.runtime.step.stage import LossRecord, StageRunner, as_stage_input
 from meshpipe.runtime.transfer.p2p import Comm
 from meshpipe.schedule.comm import Transfer
-from meshpipe.schedule.ir import Action, Op, Schedule
+from meshpipe.schedule.ir import Action, Op, Schedule, backward_next
 from meshpipe.schedule.memo import memo
 
 __all__ = ["ActionRecord", "RankStatus", "run_actions"]
@@ -96,10 +96,7 @@ def _routes_of(schedule: Schedule, rank: int) -> tuple[_Route, ...]:
                 local_out = True
             elif s > 0:
                 put = Transfer("grad", s, s - 1, mb)
-        after = row[i + 1] if i + 1 < len(row) else None
-        then = None
-        if a.op is Op.F and after is not None and (after.stage, after.mb) == (s, mb):
-            then = after.op if after.op in (Op.B, Op.I) else None
+        then = backward_next(row, i)
         out.append(_Route(a, a.op, s, mb, take, peer, local_in, put, local_out, then))
     return tuple(out)
 
