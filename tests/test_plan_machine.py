@@ -23,15 +23,19 @@ from meshpipe.plan.machine import (
 from meshpipe.plan.profile import profile_model
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_fit_recovers_a_known_step_overhead(n: int) -> None:
+@pytest.mark.parametrize(("n", "cores"), [(2, 0), (4, 0), (4, 2), (8, 2)])
+def test_fit_recovers_known_overheads(n: int, cores: int) -> None:
+    """Steps made by the model itself, at three microbatch counts: the fit finds the
+    per-action and the per-step overhead apart (on shared cores too)."""
     f, b, lat, oh, step = 1e-3, 2e-3, 1e-4, 3e-4, 2e-3
-    points = [(m, step + _makespan(n, m, f + oh, b + oh, lat)) for m in (n, 2 * n, 4 * n)]
-    assert fit_runtime(n, f, b, points, lat, oh) == pytest.approx(step, rel=1e-6)
+    points = [(m, step + _makespan(n, m, f + oh, b + oh, lat, cores)) for m in (n, 2 * n, 4 * n)]
+    got_oh, got_step = fit_runtime(n, f, b, points, lat, cores)
+    assert got_oh == pytest.approx(oh, abs=1e-9), (got_oh, got_step)
+    assert got_step == pytest.approx(step, rel=1e-6), (got_oh, got_step)
 
 
 def test_fit_never_goes_negative() -> None:
-    assert fit_runtime(2, 1e-3, 1e-3, [(2, 1e-6), (8, 1e-6)], 0.0, 0.0) == 0.0
+    assert fit_runtime(2, 1e-3, 1e-3, [(2, 1e-6), (8, 1e-6)], 0.0) == (0.0, 0.0)
 
 
 def test_bad_arguments_are_refused() -> None:

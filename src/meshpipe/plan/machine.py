@@ -13,9 +13,12 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
   runtime's own timeline (``runtime_costs``, ``meshpipe.plan.outside``): what each step
   took beyond its own actions replayed, fitted as ``step_overhead + d x`` the actions
   along the critical path; ``overhead`` is ``d`` plus what an action measured beyond its
-  stage's work timed alone. Where the processes outnumber the cores: CPU seconds per
-  action (a process's CPU time over the steps less its stages' work, over its actions)
-  and the median of what the steps took beyond the shared replay of the stages' work.
+  stage's work timed alone. Where the processes outnumber the cores, both are fitted to
+  the steps' wall times (``fit_runtime``): the per-action overhead whose shared replay
+  (``meshpipe.plan.sharing``), plus a per-step cost, fits the three microbatch counts
+  best. (Before 2026-12-02: CPU seconds per action, a process's CPU time over the steps
+  less its stages' work timed in four processes at once; a small difference of large
+  figures, 27 - 622 us from one run to the next, and the per-step cost 3 - 19 ms with it.)
 - **dp_bandwidth**: the gradient reduction as the runtime runs it for a data-parallel
   plan: ``meshpipe.Pipeline`` steps of a model with ``REDUCE_BYTES`` of gradients
   (``REDUCE_ROWS`` rows) over every process as dp replicas (``dp="ddp"``), alternately
@@ -35,6 +38,7 @@ The link (latency, bandwidth) comes from ``meshpipe.plan.link.measure_link``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -153,8 +157,7 @@ def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str
     x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
     f = _alone(lambda: alone(x), repeats, running)
     fb = _alone(lambda: alone(x).sum().backward(), repeats, running)
-    fb_cpu = _typical_time(lambda: alone(x).sum().backward(), repeats, clock=time.process_time)
-    points, host, records = [], [], []
+    points, records = [], []
     for per_rank in PROBE_MICROBATCHES:
         mb = per_rank * n
         torch.manual_seed(0)
@@ -175,10 +178,8 @@ def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str
         recorded = _recorded_steps(step, pipe, repeats, dist.barrier)
         records.append(recorded)
         points.append((mb, _low([t for t, _ in recorded])))
-        cpu = _typical_time(step, repeats, clock=time.process_time)
-        host.append(max(0.0, cpu - mb * fb_cpu) / (2 * mb))  # 1f1b: 2 actions per mb
     b = None if f is None or fb is None else max(fb - f, 0.0)
-    return {"f": f, "b": b, "steps": points, "host": host, "records": records}
+    return {"f": f, "b": b, "steps": points, "records": records}
 
 
 def _recorded_steps(
@@ -331,14 +332,30 @@ def _makespan(n: int, mb: int, f: float, b: float, p2p: float, cores: int = 0) -
 
 def fit_runtime(
     n: int, f: float, b: float, points: list[tuple[int, float]], p2p_latency: float,
-    overhead: float, cores: int = 0,
-) -> float:  # fmt: skip
-    """The step overhead: what 1f1b steps on ``n`` ranks whose stages take ``f`` and ``b``
-    seconds took beyond the simulated ``makespan(f + overhead, b + overhead,
-    p2p_latency)`` (on ``cores`` shared cores, as the planner judges: 0 for one each), the
-    median over the ``(microbatches, seconds)`` points; not negative."""
-    rest = [t - _makespan(n, m, f + overhead, b + overhead, p2p_latency, cores) for m, t in points]
-    return max(0.0, statistics.median(rest))
+    cores: int = 0,
+) -> tuple[float, float]:  # fmt: skip
+    """(overhead per action, overhead per step) that make the simulated 1f1b steps on ``n``
+    ranks whose stages take ``f`` and ``b`` seconds, ``makespan(f + overhead, b + overhead,
+    p2p_latency) + step`` (on ``cores`` shared cores, as the planner judges: 0 for one
+    each), fit the measured ``(microbatches, seconds)`` points best: least squares, the
+    per-action overhead on a grid of 10 us up to 2 ms, the per-step one the mean of what
+    the steps took beyond the makespan; neither negative. Steps of several microbatch
+    counts tell the two apart: only the per-action one grows with the count."""
+    best = (math.inf, 0.0, 0.0)  # (squared error, overhead per action, per step)
+    for k in range(_GRID + 1):
+        overhead = k * _GRID_STEP
+        rest = [t - _makespan(n, m, f + overhead, b + overhead, p2p_latency, cores)
+                for m, t in points]  # fmt: skip
+        step = statistics.fmean(rest)
+        if step < 0 and k:
+            break  # a larger overhead only takes more of the steps away
+        err = sum((r - step) ** 2 for r in rest)
+        if err < best[0]:
+            best = (err, overhead, max(0.0, step))
+    return best[1], best[2]
+
+
+_GRID, _GRID_STEP = 200, 1e-5  # the per-action overheads tried: 0 to 2 ms
 
 
 def runtime_costs(
@@ -424,9 +441,8 @@ def measure_machine(
     f = statistics.median(g["f"] for g in got if g["f"] is not None)
     b = statistics.median(g["b"] for g in got if g["b"] is not None)
     shared = cores if 0 < cores < n else 0
-    if shared:  # processes outnumber the cores: CPU seconds per action, a fitted step cost
-        overhead = statistics.median(g["host"][-1] for g in got)  # the most actions per step
-        step = fit_runtime(n, f, b, points, p2p_latency, overhead, shared)
+    if shared:  # processes outnumber the cores: both fitted to the steps' wall times
+        overhead, step = fit_runtime(n, f, b, points, p2p_latency, shared)
     else:
         overhead, step = runtime_costs(n, got, f, b, p2p_latency)
     speedup = next(g["tp_speedup"] for g in got if g["tp_speedup"] is not None)
