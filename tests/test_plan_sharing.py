@@ -77,12 +77,14 @@ def test_the_planner_judges_sharing_per_schedule() -> None:
 
 
 @pytest.mark.parametrize("cores", [0, 2])
-def test_fit_recovers_a_known_step_overhead_on_shared_cores(cores: int) -> None:
+def test_fit_recovers_known_overheads_on_shared_cores(cores: int) -> None:
     n, f, b, lat, oh, step = 4, 1e-3, 2e-3, 1e-4, 3e-4, 2e-3
     points = [(m, step + _makespan(n, m, f + oh, b + oh, lat, cores)) for m in (4, 8, 16)]
-    assert fit_runtime(n, f, b, points, lat, oh, cores) == pytest.approx(step, rel=1e-6)
-    if cores:  # the fit without the sharing would call the sharing a fixed cost
-        assert fit_runtime(n, f, b, points, lat, oh) > 2 * step
+    got_oh, got_step = fit_runtime(n, f, b, points, lat, cores)
+    assert got_oh == pytest.approx(oh, abs=1e-9) and got_step == pytest.approx(step, rel=1e-6)
+    if cores:  # the fit without the sharing would call the sharing an overhead
+        unshared_oh, _ = fit_runtime(n, f, b, points, lat)
+        assert unshared_oh > 2 * oh, unshared_oh
 
 
 def test_a_plans_figures_plan_again() -> None:
@@ -100,3 +102,40 @@ def test_a_plans_figures_plan_again() -> None:
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(PlanError, match="cores must be a whole number"):
             meshpipe.plan(None, world_size=4, profile=prof, cores=bad)  # type: ignore[arg-type]
+
+
+def test_crowding_slows_only_what_runs_beyond_the_cores() -> None:
+    """All 4 processes computing on 2 cores: each at its share (1/2) and slower by the
+    crowding; 2 of them computing (the others idle in a bubble): at full speed."""
+    one = get_schedule("1f1b", 1, 2)
+    alone = _end(replay(one, _dur(), 0.0))
+    fair = _end(shared_replay(one, _dur(), 0.0, [4], 2))
+    crowded = _end(shared_replay(one, _dur(), 0.0, [4], 2, crowding=1.5))
+    assert fair == pytest.approx(2 * alone)
+    assert crowded == pytest.approx(3 * alone)
+    # 3 processes on 2 cores: half of the crowding (one process beyond the cores of two)
+    three = _end(shared_replay(one, _dur(), 0.0, [4], 3, crowding=1.5))
+    assert three == pytest.approx(4 / 3 * alone * 1.5)
+    # a pipeline whose ranks never compute together beyond the cores is not slowed
+    gp = get_schedule("gpipe", 2, 1)  # one microbatch: the two ranks take turns
+    assert _end(shared_replay(gp, _dur(), 0.0, [2, 2], 2, crowding=3.0)) == pytest.approx(
+        _end(replay(gp, _dur(), 0.0))
+    )
+
+
+def test_crowding_of_counts_calls() -> None:
+    from meshpipe.plan.together import crowding_of
+
+    # 2 processes: 100 calls each in 1 s; 4 processes: 40 calls each in 1 s. Per call
+    # 10 ms -> 25 ms, against 20 ms for the fair share: 1.25
+    got = crowding_of([(100, 1.0)] * 2, [(40, 1.0)] * 4, 4, 2)
+    assert got == pytest.approx(1.25)
+    assert crowding_of([(100, 1.0)] * 2, [(60, 1.0)] * 4, 4, 2) == 1.0  # never below 1
+
+
+def test_crowding_without_inputs_is_not_measured() -> None:
+    from torch import nn
+
+    from meshpipe.plan.together import measure_crowding
+
+    assert measure_crowding(nn.Linear(2, 2), (), {}, None, None, 4, 2) == 1.0
