@@ -50,7 +50,6 @@ def plan(
     slowdown: float = 1.0,
     tp_efficiency: float = 0.8,
     cores: float = 0,
-    crowding: float = 1.0,
     repeats: int = 3,
     profile: Profile | None = None,
     num_runners_up: int = 5,
@@ -88,10 +87,7 @@ def plan(
     compute ``slowdown`` when as many processes run at once as there are cores (``cores``:
     the local CPU cores the processes share, when fewer than them; the search then replays
     each candidate with every action at its share of the cores, ``meshpipe.plan.sharing``;
-    0, the default, gives each process a core or GPU of its own; ``crowding``: how much
-    slower than their share of those cores the processes run when all of them compute,
-    measured with the model itself, ``meshpipe.plan.together.measure_crowding``), the
-    runtime's ``overhead``
+    0, the default, gives each process a core or GPU of its own), the runtime's ``overhead``
     per action and ``step_overhead`` per step, ``dp_bandwidth`` as the runtime's own dp
     reduction costs it (the link's all-reduce figure when that cannot be told from noise),
     and ``tp_efficiency`` from a tensor-parallel MLP block. The arguments of the same names
@@ -115,14 +111,10 @@ def plan(
             f"slowdown={slowdown!r}, overhead={overhead!r}, step_overhead={step_overhead!r}, "
             f"tp_efficiency={tp_efficiency!r}"
         )
-    if isinstance(crowding, bool) or not isinstance(crowding, int | float) or not crowding >= 1:
-        raise PlanError(f"crowding must be a number >= 1, got {crowding!r}")
-    profile_args = (
-        tuple(example_args) if isinstance(example_args, list | tuple) else (example_args,)
-    )
     if profile is None:
+        args = tuple(example_args) if isinstance(example_args, list | tuple) else (example_args,)
         kwargs = dict(example_kwargs or {})
-        profile = profile_model(model, profile_args, kwargs, target, loss_fn, repeats=repeats)
+        profile = profile_model(model, args, kwargs, target, loss_fn, repeats=repeats)
     elif not isinstance(profile, Profile):
         raise PlanError(f"profile must be a meshpipe.plan.Profile, got {type(profile).__name__}")
     if measure_p2p or measure_machine:
@@ -143,13 +135,6 @@ def plan(
         together = bool(profile.notes.get("together"))
         slowdown = 1.0 if together else machine.slowdown
         cores = 0 if together else machine.cores
-        if cores:  # the model's own working sets, crowding each other's caches
-            from meshpipe.plan.together import measure_crowding
-
-            crowding = measure_crowding(
-                model, profile_args, dict(example_kwargs or {}), target, loss_fn, world_size,
-                cores,
-            )  # fmt: skip
         if math.isfinite(machine.dp_bandwidth):  # else not measured: the link's all-reduce
             dp_bandwidth = machine.dp_bandwidth
         tp_efficiency = machine.tp_efficiency
@@ -157,7 +142,7 @@ def plan(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
         p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,
         slowdown=slowdown, step_overhead=step_overhead, tp_efficiency=tp_efficiency,
-        cores=cores, crowding=float(crowding),
+        cores=cores,
     )  # fmt: skip
     if measured is not None:
         from meshpipe.plan.calibrate import calibrated_profile

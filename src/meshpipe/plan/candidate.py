@@ -57,7 +57,6 @@ class Settings:
     slowdown: float = 1.0  # the profile's times x this: processes contending (caches, memory)
     step_overhead: float = 0.0  # seconds the runtime adds per step (call check, closing)
     cores: float = 0.0  # cores the processes share (plan/sharing.py); 0: one each (or a GPU)
-    crowding: float = 1.0  # slower than their share of those cores when all compute
 
     def as_dict(self) -> dict[str, float]:
         """The machine figures (``FIGURES``), as a plan's ``assumptions`` records them."""
@@ -72,7 +71,7 @@ class Settings:
 
 FIGURES = (
     "p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "tp_efficiency", "slowdown",
-    "step_overhead", "cores", "crowding",
+    "step_overhead", "cores",
 )  # fmt: skip
 
 
@@ -265,7 +264,7 @@ def _step_time(
         table = {Op.F: f, Op.B: b, Op.I: [x - y for x, y in zip(b, ws)], Op.W: ws}
         width = [layout.dp_of(r) * layout.tp for r in range(sched.num_ranks)]
         events = shared_replay(
-            sched, lambda a: table[a.op][a.stage], p2p, width, int(st.cores), st.crowding
+            sched, lambda a: table[a.op][a.stage], p2p, width, int(st.cores)
         )  # fmt: skip
     else:
         events = simulate(sched, Cost(f=f, b=b, w=w, p2p=p2p)).events

@@ -7,10 +7,8 @@ once, and not slower where the schedule keeps some of them idle (its bubble): a 
 slowdown factor cannot say which. Here every pp rank runs ``width[r]`` processes (its dp
 and tp replicas, which compute together), and while ``k`` processes compute, each advances
 at ``min(1, cores / k)`` of its own speed (the operating system shares the cores evenly;
-a process waiting for a message takes none), slower still by the model's ``crowding``
-when all of them compute (in proportion to the processes beyond the cores in between).
-Messages are matched as ``replay`` matches them: a receiving action starts once the
-matching send has ended plus the transfer time.
+a process waiting for a message takes none). Messages are matched as ``replay`` matches
+them: a receiving action starts once the matching send has ended plus the transfer time.
 """
 
 from __future__ import annotations
@@ -33,18 +31,13 @@ def shared_replay(
     p2p: float,
     width: Sequence[int],
     cores: int,
-    crowding: float = 1.0,
 ) -> tuple[tuple[Event, ...], ...]:
     """Every action's start and end, per rank, when pp rank ``r`` is ``width[r]`` processes
     and the job has ``cores`` cores (0, or at least as many as processes: ``replay``'s own
-    timeline, each rank alone on its core). ``duration(a)`` is an action's time alone.
-    ``crowding``: how much slower than their share of the cores the processes run when all
-    of them compute at once (each one's turn evicts the others' data from the caches;
-    ``meshpipe.plan.together.measure_crowding``); in proportion to the processes beyond the
-    cores in between."""
+    timeline, each rank alone on its core). ``duration(a)`` is an action's time alone."""
     if cores <= 0 or sum(width) <= cores:
         return replay(schedule, duration, p2p)
-    return _Shared(schedule, duration, p2p, width, cores, crowding).run()
+    return _Shared(schedule, duration, p2p, width, cores).run()
 
 
 class _Shared:
@@ -52,12 +45,10 @@ class _Shared:
 
     def __init__(
         self, schedule: Schedule, duration: Callable[[Action], float], p2p: float,
-        width: Sequence[int], cores: int, crowding: float = 1.0,
+        width: Sequence[int], cores: int,
     ) -> None:  # fmt: skip
         self.w, self.rows, self.p = wiring(schedule), schedule.actions, schedule.num_ranks
         self.duration, self.p2p, self.width, self.cores = duration, p2p, width, cores
-        # the slowdown beyond the share of the cores, per process beyond them
-        self.crowd = (max(1.0, crowding) - 1.0) / max(1, sum(width) - cores)
         p = self.p
         self.arrival: list[list[float]] = [[] for _ in range(p * p)]
         self.consumed = [0] * (p * p)
@@ -102,19 +93,13 @@ class _Shared:
                 self.begin(woken, now)
         self.begin(rank, now)
 
-    def rate(self, busy: int) -> float:
-        """Each computing process's speed (of its own alone) while ``busy`` compute."""
-        if busy <= self.cores:
-            return 1.0
-        return self.cores / busy / (1.0 + self.crowd * (busy - self.cores))
-
     def run(self) -> tuple[tuple[Event, ...], ...]:
         now = 0.0
         for rank in range(self.p):
             self.begin(rank, now)
         while self.running or self.timers:
             busy = sum(self.width[r] for r in self.running)
-            rate = self.rate(busy)
+            rate = min(1.0, self.cores / busy) if busy else 1.0
             step = min((self.left[r] / rate for r in self.running), default=float("inf"))
             step = min(step, min((t - now for t in self.timers.values()), default=float("inf")))
             now += max(step, 0.0)
