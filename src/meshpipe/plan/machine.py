@@ -330,6 +330,9 @@ def _makespan(n: int, mb: int, f: float, b: float, p2p: float, cores: int = 0) -
     return simulate(sched, Cost(f=f, b=b, p2p=p2p)).makespan
 
 
+_GRID, _GRID_STEP = 200, 1e-5  # fit_runtime's per-action overheads tried: 0 to 2 ms
+
+
 def fit_runtime(
     n: int, f: float, b: float, points: list[tuple[int, float]], p2p_latency: float,
     cores: int = 0,
@@ -353,9 +356,6 @@ def fit_runtime(
         if err < best[0]:
             best = (err, overhead, max(0.0, step))
     return best[1], best[2]
-
-
-_GRID, _GRID_STEP = 200, 1e-5  # the per-action overheads tried: 0 to 2 ms
 
 
 def runtime_costs(

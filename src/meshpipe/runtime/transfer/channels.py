@@ -42,7 +42,9 @@ class Channels:
     global_ranks: tuple[int, ...]  # process index (a peer) -> global rank
     batched: bool  # post each group with batch_isend_irecv (NCCL) instead of one by one
     back: dist.ProcessGroup | None = None
-    ctrl_serial: int = 0  # Pipelines made on ``ctrl`` before this one (meshpipe/groups.py)
+    # Pipelines made before this one over the same ranks (meshpipe/groups.py): the tags of
+    # its control messages, gloo data and call check (Pipelines share the groups)
+    ctrl_serial: int = 0
 
     @property
     def data_tag(self) -> int:
