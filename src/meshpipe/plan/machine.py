@@ -95,20 +95,17 @@ def _low(times: list[float]) -> float:
     return statistics.quantiles(times, n=4)[0] if len(times) >= 4 else min(times)
 
 
-def _typical_time(
-    fn: Any, repeats: int, barrier: Any = None, clock: Any = time.perf_counter
-) -> float:
+def _typical_time(fn: Any, repeats: int, barrier: Any = None) -> float:
     """The first quartile of ``repeats`` runs of ``fn`` after a warm-up, each after
-    ``barrier`` (every process starts together), read on ``clock`` (wall seconds; or
-    ``time.process_time``: this process's CPU seconds, its threads' too, gloo's)."""
+    ``barrier`` (every process starts together), in wall seconds."""
     times = []
     for i in range(repeats + 1):
         if barrier is not None:
             barrier()
-        t0 = clock()
+        t0 = time.perf_counter()
         fn()
         if i:
-            times.append(clock() - t0)
+            times.append(time.perf_counter() - t0)
     return _low(times)
 
 
