@@ -16,8 +16,8 @@ is collective (every process of a group builds the same Pipelines in the same or
 each process finds or makes the same groups, and the serial handed out with a group (how
 many times it was handed out before) is the same on all of them: what must not mix
 between Pipelines that share a group travels under a tag made from it. A Pipeline whose
-step failed retires its groups and mesh (:func:`retire`), on every process of it: the
-next Pipeline over those processes makes new ones, as it did before they were shared.
+step failed retires what was made (:func:`retire`), on every process: the next Pipeline
+makes new groups and meshes, as it did before they were shared.
 """
 
 from __future__ import annotations
@@ -54,13 +54,14 @@ def shared(key: Hashable, make: Callable[[], T]) -> tuple[T, int]:
     return _made[key], serial
 
 
-def retire(*objects: Any) -> None:
-    """Hand ``objects`` out no more: the next call for their keys makes new ones. For the
-    groups of a Pipeline whose step failed (a timeout closes gloo's connections; a failure
-    can leave receives posted), on every process of the Pipeline (each one's step raised),
-    so that all of them make the same new groups."""
-    for key in [k for k, obj in _made.items() if any(obj is o for o in objects)]:
-        del _made[key]
+def retire() -> None:
+    """Hand out nothing made so far again: the next call for any key makes a new object
+    (the serials count on). For a Pipeline whose step failed (a timeout closes gloo's
+    connections; a failure can leave receives posted), on every process of the job (a
+    Pipeline spans the job's processes, and each one's step raised), so that all of them
+    make the same new groups: its control and back groups, its tied-parameter groups and
+    its from_plan mesh alike."""
+    _made.clear()
 
 
 def _check_world() -> None:

@@ -68,7 +68,6 @@ class StepDriver:
         accumulate: Accumulator,
     ) -> None:
         topo = self.topology = topology
-        self.mesh = mesh
         self.timeout = timeout
         self.spmd = spmd
         self.accumulate = accumulate
@@ -247,11 +246,11 @@ class StepDriver:
         return e
 
     def fail(self, why: str) -> None:
-        """A step failed: this Pipeline runs no more, and its groups and mesh are handed to
-        no later Pipeline (meshpipe/groups.py): their state is not proven consistent."""
+        """A step failed: this Pipeline runs no more, and no group or mesh made so far is
+        handed to a later Pipeline (meshpipe/groups.py): their state is not proven
+        consistent (its tied-parameter groups included)."""
         self.broken = why
-        ch = self.channels
-        retire(ch.ctrl, ch.back, ch.data, self.mesh)
+        retire()
 
     def stop_if_failed(self, failures: torch.Tensor | int) -> None:
         """After the step's closing collective: raise if a process joined it as failed
