@@ -12,7 +12,7 @@ itself (sums in that order: the same bits everywhere). Elsewhere (CUDA, NCCL; la
 groups) the collective is kept.
 
 Exchanges use a tag of their own, so they never match the group's other point-to-point
-messages (data, control, both tag 0).
+messages (data below ``0x6D00``, control messages from ``0x6D6F0000``: channels.py).
 
 Given routes over a *partner* group of the same processes (``Channels.exchange_routes``:
 a Pipeline's data group and its ``back`` group on gloo, runtime/transfer/channels.py), an
@@ -49,7 +49,7 @@ __all__ = [
     "Routes",
 ]
 
-TAG = 0x6D70  # "mp": meshpipe's exchanges, apart from the data and control messages (tag 0)
+TAG = 0x6D70  # "mp": meshpipe's exchanges, apart from data and control (channels.py)
 TAG_CLOSING = TAG + 1  # the closing exchange of the loss, whose receives may be posted ahead
 TAG_AHEAD = TAG << 16  # + a serial: the call check's exchanges (Ahead), below 2**31
 MAX_PEERS = 8  # beyond this many processes the collective's log-depth algorithms win
