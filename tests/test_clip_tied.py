@@ -54,13 +54,18 @@ def _grad_diff(pipe: meshpipe.Pipeline, ref: nn.Module) -> float:
     return worst
 
 
-def _case(mesh: Any, dp: str | None, stage_meshes: bool) -> dict[str, Any]:
+def _case(mesh: Any, dp: str | None, stage_meshes: bool, given: str = "points") -> dict[str, Any]:
+    """``given``: how the model reaches the Pipeline: with split points ("points"), as a
+    Sequential it splits evenly ("sequential"), or as a list of stage modules ("stages");
+    in all three the tie crosses the two ranks."""
     model = tied_lm()
     ref = copy.deepcopy(model)  # keeps the tie: one parameter, used twice
     torch.manual_seed(1)
     ids, target = torch.randint(0, VOCAB, (8, 6)), torch.randint(0, VOCAB, (8, 6))
+    points = ["2"] if given == "points" else None
+    stages = [model[:2], model[2:]] if given == "stages" else model
     pipe = meshpipe.Pipeline(
-        model, mesh, "1f1b", num_microbatches=2, loss_fn=lm_loss, dp=dp, split_points=["2"],
+        stages, mesh, "1f1b", num_microbatches=2, loss_fn=lm_loss, dp=dp, split_points=points,
         timeout=60,
     )  # fmt: skip
     if stage_meshes:  # every process passes the whole batch
@@ -86,6 +91,9 @@ def _all_cases() -> dict[str, dict[str, Any]]:
     mesh = meshpipe.init_mesh(pp=2, dp=2)
     out["pp2_dp2_ddp"] = _case(mesh, "ddp", stage_meshes=False)
     out["pp2_dp2_fsdp"] = _case(mesh, "fsdp", stage_meshes=False)
+    # no split points: the tie used to be left unsynchronised (each copy its own gradient)
+    out["sequential"] = _case(mesh, "ddp", stage_meshes=False, given="sequential")
+    out["stages"] = _case(mesh, "ddp", stage_meshes=False, given="stages")
     meshes = meshpipe.init_stage_meshes([{"dp": 3}, {"tp": 1}])
     out["stage_meshes_dp3_1"] = _case(meshes, None, stage_meshes=True)
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 3}])
@@ -95,7 +103,8 @@ def _all_cases() -> dict[str, dict[str, Any]]:
 
 def test_clip_grad_norm_counts_a_tied_weight_once() -> None:
     results = run_on_ranks(_all_cases, 4, timeout=240)
-    for case in ("pp2_dp2_ddp", "pp2_dp2_fsdp", "stage_meshes_dp3_1", "stage_meshes_1_dp3"):
+    cases = ("pp2_dp2_ddp", "pp2_dp2_fsdp", "sequential", "stages")
+    for case in (*cases, "stage_meshes_dp3_1", "stage_meshes_1_dp3"):
         per_rank = [r[case] for r in results]
         assert all(r["holds_tied"] for r in per_rank), (case, per_rank)  # a copy everywhere
         assert per_rank[0]["ref_norm"] > 2 * MAX_NORM, (case, per_rank)  # clipping is active

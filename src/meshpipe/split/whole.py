@@ -32,15 +32,20 @@ class WholeModel:
         num_stages: int,
         split_points: Sequence[str] | None,
         init_fn: Callable[[nn.Module], None] | None = None,
+        stages: Sequence[nn.Module] | None = None,
     ) -> None:
+        """``stages``: the model already split (a Sequential split evenly, or the user's
+        list of stage modules), handed here only to keep its tied weights in step."""
         self.model = model
-        self.points = resolve_points(model, num_stages, split_points, "params", (), {})
         self.init_fn = init_fn
-        self.stages: list[nn.Module] | None = None
+        self.stages: list[nn.Module] | None = None if stages is None else list(stages)
         self.tied: TiedWeights | None = None
         self._local: dict[int, nn.Module] = {}
-        if not needs_tracing(model, self.points):
-            self.stages = split(model, points=self.points)
+        self.points: list[str] = []
+        if self.stages is None:
+            self.points = resolve_points(model, num_stages, split_points, "params", (), {})
+            if not needs_tracing(model, self.points):
+                self.stages = split(model, points=self.points)
 
     @staticmethod
     def wanted(model: object, split_points: Sequence[str] | None) -> bool:

@@ -47,6 +47,7 @@ from meshpipe.runtime.step.microbatch import ChunkSpec
 from meshpipe.runtime.step.recompute import Policy, check_policy
 from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.schedule.ir import Schedule
+from meshpipe.split.tied import find_tied
 from meshpipe.split.whole import WholeModel
 
 __all__ = ["Pipeline"]
@@ -157,7 +158,13 @@ class Pipeline(PipelineViews):
                 example = self._cp.inputs.cut(*example)
             self._ensure_split(example[0], example[1])
         else:
-            self._build_runners(stage_modules(model, self.schedule))
+            stages = stage_modules(model, self.schedule)
+            if find_tied(stages):  # a parameter on several stages: kept in step (split/tied.py)
+                whole = model if isinstance(model, nn.Module) else nn.ModuleList(stages)
+                self._whole = WholeModel(whole, sched.num_stages, None, init_fn, stages)
+                self._ensure_split((), {})
+            else:
+                self._build_runners(stages)
         self._accumulate = Accumulator()  # no_sync(): gradients stay local to the replica
         # the channels, the call check and what the last step did (pipeline/driver.py)
         self._driver = StepDriver(
@@ -377,7 +384,10 @@ class Pipeline(PipelineViews):
         call, gate = self._begin("forward", infer, (args, kwargs, None), training=False)
         self._driver.run(Run(infer, self._runners, call, False, gate, self.chunk_spec))
         if reads_closing(self.topology.device):  # the closing collective (closing.py)
-            self._driver.stop_if_failed(closing_status(self.topology.pp_group, False, self.timeout))
+            tag = self._driver.closing_tag
+            self._driver.stop_if_failed(
+                closing_status(self.topology.pp_group, False, self.timeout, tag)
+            )
         self._driver.done()
         return self._take_outputs(infer)
 
