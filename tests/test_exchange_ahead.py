@@ -38,7 +38,7 @@ def _kind(tag: int, group: str) -> str | None:
         return "check"
     if tag == TAG_CTRL or (tag == 0 and group == "ctrl"):
         return "ctrl"  # control messages: end markers, the first step's values whole
-    return "closing" if tag == TAG_CLOSING else None
+    return "closing" if TAG_CLOSING <= tag < TAG_CLOSING + (1 << 16) else None
 
 
 def _counting(counts: Counter[tuple[str, str, str, int]], names: dict[int, str]) -> Any:

@@ -40,6 +40,7 @@ from meshpipe.runtime.transfer.exchange import (
 
 __all__ = [
     "closing_ahead",
+    "closing_tag",
     "closing_status",
     "failed_elsewhere",
     "join_failed",
@@ -59,6 +60,7 @@ def join_failed(
     topo: Topology,
     with_loss: bool,
     timeout: float,
+    tag: int,
     dp: bool = True,
     posted: Posted | None = None,
     routes: Routes | None = None,
@@ -74,7 +76,7 @@ def join_failed(
     does): its own error must not wait for a peer that is slow; a peer arriving later
     finds the failure when this process exits or completes the collective. ``posted``:
     the receives of the loss's exchange over pp, if the step posted them ahead; ``routes``:
-    that exchange's (as the peers')."""
+    that exchange's (as the peers'); ``tag``: the Pipeline's closing tag (:func:`closing_tag`)."""
     if not reads_closing(topo.device):
         return
     # with dp collectives in the actions (``dp`` False) a pp peer may be held in one of them
@@ -85,11 +87,11 @@ def join_failed(
         if not with_loss:
             if posted is not None:
                 posted.keep()
-            closing_status(topo.pp_group, True, timeout)
+            closing_status(topo.pp_group, True, timeout, tag)
             return
         reduce_loss_host(
-            {}, False, topo.pp_group, topo.dp_group if dp else None, timeout, topo.stage_meshes,
-            True, posted, routes,
+            {}, False, topo.pp_group, topo.dp_group if dp else None, timeout, tag,
+            topo.stage_meshes, True, posted, routes,
         )  # fmt: skip
     except Exception:
         log.debug("rank %d: could not join the closing collective", topo.pp_rank, exc_info=True)
@@ -101,6 +103,7 @@ def reduce_loss_host(
     pp_group: dist.ProcessGroup,
     dp_group: dist.ProcessGroup | None,
     timeout: float,
+    tag: int,
     stage_meshes: bool,
     failed: bool,
     posted: Posted | None,
@@ -113,19 +116,21 @@ def reduce_loss_host(
     and only the loss becomes a tensor: the closing costs its exchange and one tensor
     instead of some twenty operations on 0-dim tensors. ``posted``: the receives of the
     exchange over ``pp_group`` posted ahead by the step (:func:`closing_ahead`), used or
-    kept alive here; ``routes``: that exchange's (runtime/transfer/exchange.py)."""
+    kept alive here; ``routes``: that exchange's (runtime/transfer/exchange.py); ``tag``: the
+    Pipeline's closing tag (:func:`closing_tag`)."""
     try:
         buf = _local_numbers(records, holds_last_stage, failed)
         dp_size = 1
         if stage_meshes:
             what = "the loss all-reduce over the stage meshes"
-            buf = _sum_on_host(buf, pp_group, what, timeout, posted, routes)
+            buf = _sum_on_host(buf, pp_group, what, timeout, tag, posted, routes)
         else:
             if group_view(pp_group).size > 1:  # an all-reduce: any rank may flag a failure
                 what = "the loss all-reduce over pp"
-                buf = _sum_on_host(buf, pp_group, what, timeout, posted, routes)
+                buf = _sum_on_host(buf, pp_group, what, timeout, tag, posted, routes)
             if dp_group is not None:
-                buf = _sum_on_host(buf, dp_group, "the loss all-reduce over dp", timeout)
+                what = "the loss all-reduce over dp"
+                buf = _sum_on_host(buf, dp_group, what, timeout, tag)
                 dp_size = group_view(dp_group).size
         if buf[2] > 0.5 * dp_size:  # (sum, count) pairs; stage meshes: one 1 per contributor
             loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
@@ -172,15 +177,27 @@ def _divide(a: float, b: float) -> float:
     return a / b
 
 
-def closing_ahead(pp_group: dist.ProcessGroup, routes: Routes | None = None) -> Posted | None:
+def closing_tag(serial: int) -> int:
+    """The tag of the closing exchanges of a Pipeline with ``serial`` (the number of Pipelines
+    made before it over the same processes, the same on each: meshpipe/groups.py). A receive
+    of a failed step's closing can stay posted on the mesh's groups, which outlive the
+    Pipeline; under a tag of its own, a later Pipeline's closing never lands in it (it took
+    a peer's loss numbers one step early)."""
+    return TAG_CLOSING + serial % (1 << 16)
+
+
+def closing_ahead(
+    pp_group: dist.ProcessGroup, tag: int, routes: Routes | None = None
+) -> Posted | None:
     """The receives of a step's closing exchange over ``pp_group`` (a CPU mesh), posted
     once its transfers are allowed (after the call check's gate): the last rank to finish
     then finds its peers' numbers there, instead of asking for them (a round trip).
-    ``routes``: the exchange's (one way per connection, runtime/transfer/exchange.py)."""
+    ``routes``: the exchange's (one way per connection, runtime/transfer/exchange.py);
+    ``tag``: the Pipeline's (:func:`closing_tag`)."""
     like = torch.zeros(4, dtype=torch.float64)
     if not exchanges(pp_group, like):
         return None
-    return Posted(pp_group, like, TAG_CLOSING, "the loss all-reduce over pp", routes)
+    return Posted(pp_group, like, tag, "the loss all-reduce over pp", routes)
 
 
 def _sum_on_host(
@@ -188,6 +205,7 @@ def _sum_on_host(
     group: dist.ProcessGroup,
     what: str,
     timeout: float,
+    tag: int,
     posted: Posted | None = None,
     routes: Routes | None = None,
 ) -> list[float]:
@@ -201,7 +219,7 @@ def _sum_on_host(
         work = dist.all_reduce(mine, group=group, async_op=True)
         wait_work(work, timeout, what)
         return list(mine.tolist())
-    ex = Exchange(group, mine, what, TAG_CLOSING, posted, routes)
+    ex = Exchange(group, mine, what, tag, posted, routes)
     rows = [t.tolist() for t in ex.wait(timeout, what)]
     total = rows[0]
     for row in rows[1:]:
@@ -223,13 +241,14 @@ def failed_elsewhere(failures: torch.Tensor | int, device: torch.device, rank: i
     )
 
 
-def closing_status(pp_group: dist.ProcessGroup, failed: bool, timeout: float) -> int:
+def closing_status(pp_group: dist.ProcessGroup, failed: bool, timeout: float, tag: int) -> int:
     """The closing collective of a step without a loss (``forward``), on a CPU pp group:
-    how many processes of the pp group failed in the step (each joins with ``failed``)."""
+    how many processes of the pp group failed in the step (each joins with ``failed``);
+    ``tag``: the Pipeline's (:func:`closing_tag`)."""
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
     what = "the closing all-reduce of the step over pp"
     if exchanges(pp_group, flag):  # point to point (runtime/transfer/exchange.py)
-        all_reduce_small(flag, pp_group, timeout, what)
+        all_reduce_small(flag, pp_group, timeout, what, tag)
     elif dist.get_world_size(pp_group) > 1:
         work = dist.all_reduce(flag, group=pp_group, async_op=True)
         wait_work(work, timeout, what)

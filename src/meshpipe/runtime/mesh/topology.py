@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,14 @@ from meshpipe.runtime.mesh.ep import (
 from meshpipe.runtime.mesh.layout import Layout
 from meshpipe.runtime.transfer.channels import Channels
 
-__all__ = ["init_mesh", "init_default_group", "mesh_device", "Topology", "pp_channels"]
+__all__ = [
+    "init_mesh",
+    "init_default_group",
+    "mesh_device",
+    "Topology",
+    "pp_channels",
+    "processes",
+]
 
 log = logging.getLogger(__name__)
 AXES = MESH_AXES
@@ -215,6 +223,13 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def processes(topo: Topology, mesh: DeviceMesh | Sequence[DeviceMesh]) -> tuple[int, ...]:
+    """The global ranks of every process of a Pipeline over ``mesh``, sorted."""
+    if topo.stage_meshes or not isinstance(mesh, DeviceMesh):
+        return tuple(sorted(topo.layout.ranks))
+    return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
 
 
 def pp_channels(topo: Topology) -> Channels:

@@ -16,11 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
-from meshpipe.groups import retire
+from meshpipe.groups import retire, shared
 from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck, CallSpec
 from meshpipe.runtime.failures.closing import (
     closing_ahead,
+    closing_tag,
     failed_elsewhere,
     join_failed,
     reads_closing,
@@ -29,7 +30,7 @@ from meshpipe.runtime.failures.closing import (
 from meshpipe.runtime.failures.culprit import Blame
 from meshpipe.runtime.failures.waits import Watchdog, translate
 from meshpipe.runtime.mesh.spmd import Spmd
-from meshpipe.runtime.mesh.topology import Topology, pp_channels
+from meshpipe.runtime.mesh.topology import Topology, pp_channels, processes
 from meshpipe.runtime.pipeline.inputs import CallInputs, Run
 from meshpipe.runtime.step.accumulate import Accumulator
 from meshpipe.runtime.step.executor import ActionRecord, RankStatus, run_actions
@@ -103,6 +104,9 @@ class StepDriver:
         # its routes: one way per connection where the pp group carries the data (gloo)
         same = self.channels.data is topo.pp_group
         self.closing_routes = self.channels.exchange_routes if same else None
+        # its tag: counted over all the Pipeline's processes (its dp peers share no pp group)
+        _, serial = shared(("closing", processes(topo, mesh)), lambda: None)
+        self.closing_tag = closing_tag(serial)
 
     def check_call(
         self, spec: CallSpec, modes: tuple[bool, bool], has_loss: bool, split_pending: bool
@@ -193,7 +197,8 @@ class StepDriver:
         def gate_then_post() -> None:
             gate()
             if self.closing is None:
-                self.closing = closing_ahead(self.topology.pp_group, self.closing_routes)
+                pp, tag, routes = self.topology.pp_group, self.closing_tag, self.closing_routes
+                self.closing = closing_ahead(pp, tag, routes)
 
         return gate_then_post
 
@@ -227,7 +232,8 @@ class StepDriver:
             # step and eval_step close on the loss, forward on a status (closing.py)
             dp = not self.spmd.collectives_in_actions(training, self.accumulate.usual)
             routes = self.closing_routes
-            join_failed(self.topology, closes_on_loss, self.timeout, dp, posted, routes)
+            tag = self.closing_tag
+            join_failed(self.topology, closes_on_loss, self.timeout, tag, dp, posted, routes)
         elif posted is not None:
             posted.keep()  # no closing to use them: kept (gloo breaks a freed receive's group)
         self.descs = DescCache()  # descriptions are unknown after a broken step
@@ -310,7 +316,8 @@ class StepDriver:
         if reads_closing(topo.device):
             return reduce_loss_host(
                 records, contributes, topo.pp_group, topo.dp_group, self.timeout,
-                topo.stage_meshes, False, self.take_closing(), self.closing_routes,
+                self.closing_tag, topo.stage_meshes, False, self.take_closing(),
+                self.closing_routes,
             )  # fmt: skip
         return reduce_loss(
             records, contributes, topo.pp_group, topo.dp_group, topo.device,

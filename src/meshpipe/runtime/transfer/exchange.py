@@ -50,8 +50,9 @@ __all__ = [
 ]
 
 TAG = 0x6D70  # "mp": meshpipe's exchanges, apart from data and control (channels.py)
-TAG_CLOSING = TAG + 1  # the closing exchange of the loss, whose receives may be posted ahead
 TAG_AHEAD = TAG << 16  # + a serial: the call check's exchanges (Ahead), below 2**31
+# + a serial: the closing exchanges of a step (failures/closing.py), above TAG_AHEAD's
+TAG_CLOSING = (TAG + 0x10) << 16
 MAX_PEERS = 8  # beyond this many processes the collective's log-depth algorithms win
 # the works of exchanges that failed, kept: freeing a pending gloo receive breaks its group
 _kept: list[Any] = []
@@ -250,11 +251,12 @@ class Exchange:
 
 
 def all_reduce_small(
-    tensor: torch.Tensor, group: dist.ProcessGroup, seconds: float, what: str
+    tensor: torch.Tensor, group: dist.ProcessGroup, seconds: float, what: str, tag: int = TAG
 ) -> None:
     """Sum ``tensor`` over ``group`` in place, exchanged point to point (the same sum, in
-    the group's order, on every process)."""
-    values: Sequence[torch.Tensor] = Exchange(group, tensor.clone(), what).wait(seconds, what)
+    the group's order, on every process), under ``tag``."""
+    ex = Exchange(group, tensor.clone(), what, tag)
+    values: Sequence[torch.Tensor] = ex.wait(seconds, what)
     total = values[0].clone()
     for v in values[1:]:
         total += v
