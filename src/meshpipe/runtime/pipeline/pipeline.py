@@ -42,6 +42,7 @@ from meshpipe.runtime.pipeline.schedules import Schedules
 from meshpipe.runtime.pipeline.views import PipelineViews
 from meshpipe.runtime.step.accumulate import Accumulator, SetAside
 from meshpipe.runtime.step.compiling import CompileOption, compile_options
+from meshpipe.runtime.step.loss_modules import exact_loss
 from meshpipe.runtime.step.loss_target import check_target, target_use
 from meshpipe.runtime.step.microbatch import ChunkSpec
 from meshpipe.runtime.step.recompute import Policy, check_policy
@@ -124,6 +125,8 @@ class Pipeline(PipelineViews):
         if not isinstance(loss_parallel, bool):
             raise PipelineError(f"loss_parallel must be True or False, got {loss_parallel!r}")
         self._loss_parallel = loss_parallel
+        # torch's loss modules as the stages call them (exact under microbatching, or refused)
+        self._stage_loss = exact_loss(loss_fn, loss_parallel)
         check_timeout(timeout)
         # one mesh, or one per pp rank (init_stage_meshes)
         self.topology = topo = pipeline_topology(mesh, pp_axis, dp_axis, tp_axis)
@@ -186,7 +189,7 @@ class Pipeline(PipelineViews):
 
     # -- construction helpers ----------------------------------------------------------
     def _build_runners(self, modules: list[nn.Module]) -> None:
-        opts = StageOptions(self.loss_fn, self._autocast, self._recompute, self._compile)
+        opts = StageOptions(self._stage_loss, self._autocast, self._recompute, self._compile)
         build_runners(
             self._runners, modules, self.schedule, self.topology, self._spmd, self.timeout,
             self._training, opts,

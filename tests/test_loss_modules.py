@@ -1,0 +1,121 @@
+"""torch's loss modules under microbatching: a mean cross entropy over padded targets gives
+the whole batch's mean (not the mean of the microbatches' means), and losses that sum or do
+not reduce are refused up front.
+
+One spawn of 2 processes (pp=2, 1f1b, 4 microbatches) runs an LM whose targets are padded
+unevenly across the microbatches (microbatch 0 nearly all padding), for CrossEntropyLoss,
+CrossEntropyLoss with class weights and label smoothing, and NLLLoss, each against one
+process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import meshpipe
+from meshpipe.errors import PipelineError
+from meshpipe.runtime.step.loss_modules import TokenMean, exact_loss
+from meshpipe.testing import run_on_ranks
+
+VOCAB, WIDTH, ROWS, SEQ = 11, 8, 8, 6
+ATOL = 1e-5
+
+
+class Flat(nn.Module):
+    """(rows, seq, vocab) logits as (rows, vocab, seq), the class dim second as the losses
+    take it (targets stay (rows, seq), split into microbatches with the inputs)."""
+
+    def __init__(self, log: bool) -> None:
+        super().__init__()
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.transpose(1, 2)
+        return out.log_softmax(1) if self.log else out
+
+
+def _lm(log: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+        nn.Linear(WIDTH, VOCAB), Flat(log),
+    )  # fmt: skip
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ))
+    target = torch.randint(0, VOCAB, (ROWS, SEQ))
+    target[:2, 1:] = -100  # microbatch 0: 2 of 12 targets kept; the others all 12
+    target[2, 4:] = -100
+    return ids, target
+
+
+def _losses() -> dict[str, nn.Module]:
+    weight = torch.linspace(0.5, 2.0, VOCAB)
+    return {
+        "ce": nn.CrossEntropyLoss(),
+        "ce_weighted_smoothed": nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1),
+        "nll": nn.NLLLoss(),
+    }
+
+
+def _case(mesh: Any, name: str, loss_fn: nn.Module) -> dict[str, float]:
+    log = isinstance(loss_fn, nn.NLLLoss)
+    model = _lm(log)
+    ref = copy.deepcopy(model)
+    ids, target = _batch()
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", num_microbatches=4, loss_fn=loss_fn, timeout=60)
+    loss = float(pipe.step(ids, target=target))
+    expected = loss_fn(ref(ids), target)
+    expected.backward()
+    # what weighting each microbatch's mean by its rows gives: the answer before TokenMean
+    with torch.no_grad():
+        per_mb = [loss_fn(ref(ids[i : i + 2]), target[i : i + 2]) for i in (0, 2, 4, 6)]
+        naive = float(sum(per_mb) / 4)
+    ref_grads = dict(ref.named_parameters())
+    grad = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+    return {"loss": loss, "expected": float(expected), "naive": naive, "grad": grad}
+
+
+def _all() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    mesh = meshpipe.init_mesh(pp=2)
+    out: dict[str, Any] = {n: _case(mesh, n, fn) for n, fn in _losses().items()}
+    try:
+        meshpipe.Pipeline(_lm(False), mesh, "1f1b", 4, loss_fn=nn.MSELoss(reduction="sum"))
+        out["refused"] = ""
+    except PipelineError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
+    for got in run_on_ranks(_all, 2, timeout=240):
+        for name in _losses():
+            r = got[name]
+            assert abs(r["loss"] - r["expected"]) < ATOL, (name, r)
+            assert r["grad"] < ATOL, (name, r)
+            # the case tells the two apart: the microbatches' means weighted by rows differ
+            assert abs(r["naive"] - r["expected"]) > 0.01, (name, r)
+        assert "MSELoss(reduction='sum')" in got["refused"], got
+
+
+def test_exact_loss_in_one_process() -> None:
+    ce = nn.CrossEntropyLoss()
+    assert isinstance(exact_loss(ce, loss_parallel=False), TokenMean)
+    assert exact_loss(ce, loss_parallel=True) is ce  # the module itself sees sharded logits
+    mse = nn.MSELoss()
+    assert exact_loss(mse, loss_parallel=False) is mse
+    assert exact_loss(None, loss_parallel=False) is None
+    for reduction in ("sum", "none"):
+        with pytest.raises(PipelineError, match=f"reduction='{reduction}'"):
+            exact_loss(nn.CrossEntropyLoss(reduction=reduction), loss_parallel=False)
+    # class-probability targets: the module's own mean (over rows), not a pair
+    out, probs = torch.randn(4, 5), torch.softmax(torch.randn(4, 5), -1)
+    assert torch.equal(TokenMean(ce)(out, probs), ce(out, probs))
