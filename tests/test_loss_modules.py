@@ -1,6 +1,6 @@
 """torch's loss modules under microbatching: a mean cross entropy over padded targets gives
 the whole batch's mean (not the mean of the microbatches' means), and losses that sum or do
-not reduce are refused up front.
+not reduce are refused up front. And the word on batch norm, which microbatches change.
 
 One spawn of 2 processes (pp=2, 1f1b, 4 microbatches) runs an LM whose targets are padded
 unevenly across the microbatches (microbatch 0 nearly all padding), for CrossEntropyLoss,
@@ -11,6 +11,7 @@ process on the whole batch.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 
 import meshpipe
 from meshpipe.errors import PipelineError
+from meshpipe.runtime.pipeline.modules import warn_row_mixing
 from meshpipe.runtime.step.loss_modules import TokenMean, exact_loss
 from meshpipe.testing import run_on_ranks
 
@@ -92,6 +94,13 @@ def _all() -> dict[str, Any]:
         out["refused"] = ""
     except PipelineError as e:
         out["refused"] = str(e)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("meshpipe").addHandler(handler)
+    norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 4))
+    meshpipe.Pipeline(norm, mesh, "1f1b", 4, loss_fn=nn.MSELoss())
+    out["warned"] = [m for m in seen if "batch-norm" in m]
     return out
 
 
@@ -104,6 +113,7 @@ def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
             # the case tells the two apart: the microbatches' means weighted by rows differ
             assert abs(r["naive"] - r["expected"]) > 0.01, (name, r)
         assert "MSELoss(reduction='sum')" in got["refused"], got
+        assert len(got["warned"]) == 1 and "'1'" in got["warned"][0], got
 
 
 def test_exact_loss_in_one_process() -> None:
@@ -119,3 +129,11 @@ def test_exact_loss_in_one_process() -> None:
     # class-probability targets: the module's own mean (over rows), not a pair
     out, probs = torch.randn(4, 5), torch.softmax(torch.randn(4, 5), -1)
     assert torch.equal(TokenMean(ce)(out, probs), ce(out, probs))
+
+
+def test_batch_norm_is_named() -> None:
+    bn = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4)), nn.Linear(4, 4))
+    assert warn_row_mixing(bn, 4) == ["1.0"]
+    assert warn_row_mixing(bn, 1) == []  # one microbatch: the whole batch's statistics
+    assert warn_row_mixing([bn[:2], bn[2:]], 4) == ["0.1.0"]  # a list: by stage index
+    assert warn_row_mixing(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 4) == []

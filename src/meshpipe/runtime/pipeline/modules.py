@@ -1,8 +1,10 @@
 """The stage modules a Pipeline is given: a Sequential split evenly by layer count, or a list
-of stage modules checked against the schedule; and the train/eval mode they start in."""
+of stage modules checked against the schedule; the train/eval mode they start in; and a word
+on modules whose training forward mixes rows (batch norm), which microbatches change."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from torch import nn
@@ -11,7 +13,9 @@ from meshpipe.errors import PipelineError
 from meshpipe.schedule.ir import Schedule
 from meshpipe.split.sequential import split_sequential
 
-__all__ = ["split_evenly", "stage_modules", "initial_mode"]
+__all__ = ["split_evenly", "stage_modules", "initial_mode", "warn_row_mixing"]
+
+log = logging.getLogger(__name__)
 
 
 def split_evenly(model: nn.Sequential, num_stages: int) -> list[nn.Module]:
@@ -54,3 +58,29 @@ def stage_modules(model: nn.Module | Sequence[nn.Module], schedule: Schedule) ->
         f"model must be an nn.Sequential or a list of stage modules, got "
         f"{type(model).__name__}; see meshpipe.split for other models"
     )
+
+
+def warn_row_mixing(model: nn.Module | Sequence[nn.Module], num_microbatches: int) -> list[str]:
+    """Warn (once per Pipeline, on every rank) of batch-norm modules: in training their
+    forward normalises by the statistics of the rows it sees, a microbatch's, so outputs,
+    loss, gradients and running statistics differ from one process on the whole batch (as
+    under gradient accumulation). Returns the modules' names."""
+    if num_microbatches <= 1:
+        return []
+    roots = [model] if isinstance(model, nn.Module) else list(model)
+    names = [
+        f"{i}.{name}" if len(roots) > 1 else name
+        for i, root in enumerate(roots)
+        for name, m in root.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+    if names:
+        shown = ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
+        log.warning(
+            "%d batch-norm module(s) (%s) normalise each of the %d microbatches by its own "
+            "statistics in training: the step's loss, gradients and running statistics differ "
+            "from one process on the whole batch (as under gradient accumulation); "
+            "LayerNorm or GroupNorm do not depend on the batch",
+            len(names), shown, num_microbatches,
+        )  # fmt: skip
+    return names

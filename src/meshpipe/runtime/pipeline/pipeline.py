@@ -37,7 +37,7 @@ from meshpipe.runtime.pipeline.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.pipeline.from_plan import plan_arguments
 from meshpipe.runtime.pipeline.inputs import Run
 from meshpipe.runtime.pipeline.memory import SavedLedger
-from meshpipe.runtime.pipeline.modules import initial_mode, stage_modules
+from meshpipe.runtime.pipeline.modules import initial_mode, stage_modules, warn_row_mixing
 from meshpipe.runtime.pipeline.schedules import Schedules
 from meshpipe.runtime.pipeline.views import PipelineViews
 from meshpipe.runtime.step.accumulate import Accumulator, SetAside
@@ -150,6 +150,7 @@ class Pipeline(PipelineViews):
         sched = self.schedule
         self._runners: dict[int, StageRunner] = {}
         self._training = initial_mode(model)
+        warn_row_mixing(model, self.schedule.num_microbatches)
         # a whole model goes to meshpipe.split; it may wait for the first call's inputs
         self._whole: WholeModel | None = None
         if WholeModel.wanted(model, split_points):
