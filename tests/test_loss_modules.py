@@ -1,6 +1,8 @@
 """torch's loss modules under microbatching: a mean cross entropy over padded targets gives
 the whole batch's mean (not the mean of the microbatches' means), and losses that sum or do
-not reduce are refused up front. And the word on batch norm, which microbatches change.
+not reduce are refused up front; dp replicas of a mean loss that pass different numbers of rows
+are refused (their losses would be averaged alike, not by rows). And the word on batch norm,
+which microbatches change.
 
 One spawn of 2 processes (pp=2, 1f1b, 4 microbatches) runs an LM whose targets are padded
 unevenly across the microbatches (microbatch 0 nearly all padding), for CrossEntropyLoss,
@@ -101,7 +103,45 @@ def _all() -> dict[str, Any]:
     norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 4))
     meshpipe.Pipeline(norm, mesh, "1f1b", 4, loss_fn=nn.MSELoss())
     out["warned"] = [m for m in seen if "batch-norm" in m]
+    out["uneven"] = _uneven_replicas(meshpipe.init_mesh(pp=1, dp=2))
     return out
+
+
+def _uneven_replicas(mesh: Any) -> dict[str, Any]:
+    """pp1 x dp2: replica 0 passes 3 rows, replica 1 passes 5. A mean loss is refused on
+    both, its gradients dropped (.grad as before the call), and the next even call works;
+    a cross-entropy module (a (sum, count) pair) is exact for the uneven split."""
+    me = mesh.get_local_rank("dp")
+    torch.manual_seed(2)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    rows = slice(0, 3) if me == 0 else slice(3, 8)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 1, loss_fn=nn.MSELoss(), timeout=60)
+    pipe.step(x[:4] if me == 0 else x[4:], target=y[:4] if me == 0 else y[4:])  # even
+    before = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    try:
+        pipe.step(x[rows], target=y[rows])
+        refused = ""
+    except PipelineError as e:
+        refused = str(e)
+    kept = all(torch.equal(p.grad, before[n]) for n, p in pipe.named_parameters())
+    pipe.zero_grad()
+    again = float(pipe.step(x[:4] if me == 0 else x[4:], target=y[:4] if me == 0 else y[4:]))
+    ids, target = _batch()
+    lm, lm_ref = _lm(False), _lm(False)
+    ce = meshpipe.Pipeline(lm, mesh, "1f1b", 1, loss_fn=nn.CrossEntropyLoss(), timeout=60)
+    cut = slice(0, 3) if me == 0 else slice(3, 8)
+    ce_loss = float(ce.step(ids[cut], target=target[cut]))
+    expected = nn.CrossEntropyLoss()(lm_ref(ids), target)
+    expected.backward()
+    ref_grads = dict(lm_ref.named_parameters())
+    ce_grad = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in ce.named_parameters())
+    return {
+        "refused": refused, "kept": kept, "again": again,
+        "again_ref": float(nn.MSELoss()(ref(x), y)),
+        "ce": (ce_loss, float(expected), ce_grad),
+    }  # fmt: skip
 
 
 def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
@@ -114,6 +154,12 @@ def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
             assert abs(r["naive"] - r["expected"]) > 0.01, (name, r)
         assert "MSELoss(reduction='sum')" in got["refused"], got
         assert len(got["warned"]) == 1 and "'1'" in got["warned"][0], got
+        uneven = got["uneven"]
+        assert "replicas passed different numbers of rows" in uneven["refused"], uneven
+        assert uneven["kept"], uneven  # the refused call's gradients were dropped
+        assert abs(uneven["again"] - uneven["again_ref"]) < ATOL, uneven
+        loss, expected, grad = uneven["ce"]
+        assert abs(loss - expected) < ATOL and grad < ATOL, uneven
 
 
 def test_exact_loss_in_one_process() -> None:

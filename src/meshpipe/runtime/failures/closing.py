@@ -46,9 +46,11 @@ __all__ = [
     "join_failed",
     "reads_closing",
     "reduce_loss_host",
+    "uneven_rows",
 ]
 
 log = logging.getLogger(__name__)
+CLOSING_NUMBERS = 6  # loss sum, count sum, pairs, failures, rows, rows squared
 
 
 def reads_closing(device: torch.device) -> bool:
@@ -108,18 +110,22 @@ def reduce_loss_host(
     failed: bool,
     posted: Posted | None,
     routes: Routes | None = None,
-) -> tuple[torch.Tensor, float, int]:
+    rows: int = 0,
+) -> tuple[torch.Tensor, float, int, str]:
     """runtime/step/reduce.py's ``reduce_loss`` on a CPU mesh, where reading a value waits
-    for nothing: (loss as a 0-dim float64 tensor, gradient scale, failures). The four
-    numbers (weighted loss sum, count sum, pairs, failures) are Python floats, summed over
-    the groups in their order (the same bits on every process, as the tensor path's sums),
-    and only the loss becomes a tensor: the closing costs its exchange and one tensor
-    instead of some twenty operations on 0-dim tensors. ``posted``: the receives of the
+    for nothing: (loss as a 0-dim float64 tensor, gradient scale, failures, and why the dp
+    replicas' losses cannot be averaged, or ""). The numbers (weighted loss sum, count sum,
+    pairs, failures, rows, rows squared) are Python floats, summed over the groups in their
+    order (the same bits on every process, as the tensor path's sums), and only the loss
+    becomes a tensor: the closing costs its exchange and one tensor instead of some twenty
+    operations on 0-dim tensors. ``rows``: the rows of this process's replica in the call
+    (a mean loss averages the replicas' losses, which is the whole batch's mean only when
+    they hold as many rows: :func:`uneven_rows`). ``posted``: the receives of the
     exchange over ``pp_group`` posted ahead by the step (:func:`closing_ahead`), used or
     kept alive here; ``routes``: that exchange's (runtime/transfer/exchange.py); ``tag``: the
     Pipeline's closing tag (:func:`closing_tag`)."""
     try:
-        buf = _local_numbers(records, holds_last_stage, failed)
+        buf = _local_numbers(records, holds_last_stage, failed, rows)
         dp_size = 1
         if stage_meshes:
             what = "the loss all-reduce over the stage meshes"
@@ -136,7 +142,8 @@ def reduce_loss_host(
             loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
         else:
             loss, scale = buf[0] / dp_size, 1.0 / dp_size
-        return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3])
+        uneven = "" if stage_meshes else uneven_rows(buf[4], buf[5], dp_size)
+        return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3]), uneven
     except BaseException:
         if posted is not None:  # not used (an exchange that used them keeps its own)
             posted.keep()
@@ -144,10 +151,11 @@ def reduce_loss_host(
 
 
 def _local_numbers(
-    records: Mapping[int, LossRecord], holds_last_stage: bool, failed: bool
+    records: Mapping[int, LossRecord], holds_last_stage: bool, failed: bool, rows: int
 ) -> list[float]:
-    """This process's (weighted loss sum, count sum, pairs, failures) of the step."""
-    buf = [0.0, 0.0, 0.0, 0.0]
+    """This process's (weighted loss sum, count sum, pairs, failures, rows, rows squared) of
+    the step; rows from the last stage of a mean loss only (once per replica)."""
+    buf = [0.0] * CLOSING_NUMBERS
     if failed:
         buf[3] = 1.0
     elif holds_last_stage and records:
@@ -167,7 +175,28 @@ def _local_numbers(
         buf[0] = total
         if pairs:
             buf[1], buf[2] = float(counts), 1.0
+        else:
+            buf[4], buf[5] = float(rows), float(rows) ** 2
     return buf
+
+
+def uneven_rows(rows: float, squares: float, replicas: int) -> str:
+    """Why a mean loss cannot be averaged over ``replicas`` dp replicas whose rows sum to
+    ``rows`` and their squares to ``squares`` (all equal exactly when ``replicas x
+    squares == rows ** 2``; exact in float64 for any realistic count), or "". The mean of
+    the replicas' means weights every replica alike; one process on the whole batch
+    weights every row alike."""
+    if replicas <= 1 or rows <= 0 or replicas * squares == rows * rows:
+        return ""
+    return (
+        f"the {replicas} data-parallel replicas passed different numbers of rows in this call "
+        f"({int(rows)} in all, {rows / replicas:g} on average): with a loss_fn returning a "
+        "mean, the step would average the replicas' losses and gradients alike, not weight "
+        "them by their rows as one process on the whole batch does. Give every replica the "
+        "same number of rows, or return a (sum, count) pair from loss_fn (exact for any "
+        "split). Nothing of this call was applied: its gradients were dropped, .grad is as "
+        "before the call"
+    )
 
 
 def _divide(a: float, b: float) -> float:
@@ -194,7 +223,7 @@ def closing_ahead(
     then finds its peers' numbers there, instead of asking for them (a round trip).
     ``routes``: the exchange's (one way per connection, runtime/transfer/exchange.py);
     ``tag``: the Pipeline's (:func:`closing_tag`)."""
-    like = torch.zeros(4, dtype=torch.float64)
+    like = torch.zeros(CLOSING_NUMBERS, dtype=torch.float64)
     if not exchanges(pp_group, like):
         return None
     return Posted(pp_group, like, tag, "the loss all-reduce over pp", routes)

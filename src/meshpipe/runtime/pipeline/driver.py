@@ -284,8 +284,7 @@ class StepDriver:
         spmd, acc, topo, watchdog = self.spmd, self.accumulate, self.topology, self.watchdog
         factor = spmd.finish_step(self.timeout, watchdog)
         settle_grads(params)  # each in its parameter's layout (sequence parallel, embeddings)
-        loss, scale, failures = self._close(losses, contributes)
-        self.stop_if_failed(failures)
+        loss, scale = self._close(losses, contributes)
         if whole is not None and not topo.stage_meshes:
             whole.sync_grads()  # tied weights: sum over the stages holding them
         dp_group = topo.dp_group
@@ -307,22 +306,34 @@ class StepDriver:
             whole.sync_grads()  # stage meshes: after dp, as whole-mesh means
         return loss
 
-    def _close(
-        self, records: Any, contributes: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | int]:
-        """The step's closing collective: (loss, gradient scale, failures), the same on
-        every rank (on a CPU mesh computed on the host, into the receives posted ahead)."""
+    def _close(self, records: Any, contributes: bool) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """The step's closing collective: (loss, gradient scale), the same on every rank (on
+        a CPU mesh computed on the host, into the receives posted ahead); then a failure of
+        any process raised here, else the peers' end markers read (``stop_if_failed``).
+        On a CPU mesh, dp replicas of a mean loss that held different numbers of rows are
+        refused here, after the end markers are read, on every process alike
+        (failures/closing.py, ``uneven_rows``); on CUDA that would read the device."""
         topo = self.topology
         if reads_closing(topo.device):
-            return reduce_loss_host(
+            rows = sum(self.inputs.whole_rows)
+            loss, scale, failures, uneven = reduce_loss_host(
                 records, contributes, topo.pp_group, topo.dp_group, self.timeout,
                 self.closing_tag, topo.stage_meshes, False, self.take_closing(),
-                self.closing_routes,
+                self.closing_routes, rows,
             )  # fmt: skip
-        return reduce_loss(
+            self.stop_if_failed(failures)
+            if uneven:
+                self.done()  # every rank refuses alike: the channels are in step
+                err = PipelineError(uneven)
+                err.meshpipe_refusal = True  # type: ignore[attr-defined]
+                raise err
+            return loss, scale
+        loss_t, scale_t, failures_t = reduce_loss(
             records, contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
         )  # fmt: skip
+        self.stop_if_failed(failures_t)
+        return loss_t, scale_t
 
     def reduce_failed(self, e: BaseException) -> BaseException:
         """The error a failure in the end-of-step reductions raises, reported."""
@@ -344,8 +355,7 @@ class StepDriver:
         """End of an eval step: the loss agreed over pp and dp, then (``with_metrics``) the
         metrics, sent from global rank ``src`` (the last stage's), reduced alike."""
         topo = self.topology
-        loss, _, failures = self._close(records, contributes)
-        self.stop_if_failed(failures)
+        loss, _ = self._close(records, contributes)
         self.done()
         if not with_metrics:
             return loss, None

@@ -304,11 +304,16 @@ class Pipeline(PipelineViews):
                 aside.put_back()
             raise
         self._driver.status.phase = "reduce"
+        held = list(aside.held)  # as it was: what a call refused after its closing puts back
         self._accumulate.unstash(aside.params, aside.held)
         gs = 1.0 if grad_scale is None else grad_scale
         try:
             loss = self._driver.reduce(losses, aside.params, gs, self._whole, self._contributes)
         except BaseException as e:
+            if getattr(e, "meshpipe_refusal", False):  # on every rank alike: drop this call's
+                aside.held = held
+                aside.put_back()
+                raise
             err = self._driver.reduce_failed(e)  # reported, the culprit claimed or named
             if err is e:
                 raise
