@@ -19,7 +19,6 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 
 import meshpipe
 
@@ -56,9 +55,9 @@ n = schedule.num_stages
 points = [f"model.layers.{k * args.layers // n}" for k in range(1, n)]
 
 
-def loss_fn(out, target):  # out: CausalLMOutputWithPast of the last stage's microbatch
-    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
-
+# the mean over every kept next token of the batch, however the padding falls into
+# microbatches: (sum, count) pairs, from the CausalLMOutputWithPast's logits
+loss_fn = meshpipe.token_cross_entropy(shift=True)
 
 pipe = meshpipe.Pipeline(
     model,
@@ -73,8 +72,9 @@ pipe = meshpipe.Pipeline(
 torch.manual_seed(0)  # same data on every rank: step() is called identically everywhere
 ids = torch.randint(0, config.vocab_size, (8, 16))  # (batch, seq)
 mask = torch.ones_like(ids)
-mask[:, :3] = 0  # left padding
-target = ids.roll(-1, dims=1)
+for row in range(ids.shape[0]):
+    mask[row, : row % 4] = 0  # left padding, 0 - 3 tokens per row
+target = ids.masked_fill(mask == 0, -100)  # labels as Hugging Face takes them: padding ignored
 opt = None
 for step in range(args.steps):
     loss = pipe.step(ids, target=target, attention_mask=mask)  # first step splits the model

@@ -104,7 +104,38 @@ def _all() -> dict[str, Any]:
     meshpipe.Pipeline(norm, mesh, "1f1b", 4, loss_fn=nn.MSELoss())
     out["warned"] = [m for m in seen if "batch-norm" in m]
     out["uneven"] = _uneven_replicas(meshpipe.init_mesh(pp=1, dp=2))
+    out["token"] = _token_loss(mesh)
     return out
+
+
+class Logits(nn.Module):
+    """The head's output as a Hugging Face model gives it: an object with ``logits``."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return type("Output", (), {"logits": x})()
+
+
+def _token_loss(mesh: Any) -> tuple[float, float, float]:
+    """meshpipe.token_cross_entropy(shift=True) on an output object, padded targets aligned
+    with the inputs: (loss, one process's mean over the kept next tokens, worst grad diff)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+        nn.Linear(WIDTH, VOCAB), Logits(),
+    )  # fmt: skip
+    ref = copy.deepcopy(model)
+    ids, target = _batch()
+    loss_fn = meshpipe.token_cross_entropy(shift=True)
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", num_microbatches=4, loss_fn=loss_fn, timeout=60)
+    loss = float(pipe.step(ids, target=target))
+    logits = ref(ids).logits
+    expected = nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), target[:, 1:].flatten(), ignore_index=-100
+    )
+    expected.backward()
+    ref_grads = dict(ref.named_parameters())
+    grad = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+    return loss, float(expected), grad
 
 
 def _uneven_replicas(mesh: Any) -> dict[str, Any]:
@@ -160,6 +191,8 @@ def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
         assert abs(uneven["again"] - uneven["again_ref"]) < ATOL, uneven
         loss, expected, grad = uneven["ce"]
         assert abs(loss - expected) < ATOL and grad < ATOL, uneven
+        loss, expected, grad = got["token"]
+        assert abs(loss - expected) < ATOL and grad < ATOL, got["token"]
 
 
 def test_exact_loss_in_one_process() -> None:

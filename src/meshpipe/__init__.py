@@ -39,6 +39,7 @@ _LAZY: dict[str, str] = {
     "init_stage_meshes": "meshpipe.runtime.mesh.stage_meshes",
     "Pipeline": "meshpipe.runtime.pipeline.pipeline",
     "REPLICATE": "meshpipe.runtime.step.microbatch",
+    "token_cross_entropy": "meshpipe.runtime.step.loss_modules",
 }
 # submodules named in __all__; runtime, cli and testing also load on attribute access
 # (meshpipe.testing.run_on_ranks is public) but are not names to star-import. ``split`` is

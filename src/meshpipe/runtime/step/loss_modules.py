@@ -10,6 +10,8 @@ mean divides by the rows, and wrong when it divides by something else:
   rows gives another number than the whole batch's mean (and other gradients). Such a
   module is called through :class:`TokenMean`: its sum and that count, a ``(sum, count)``
   pair the step totals over every microbatch and dp replica (docs/runtime.md, "Loss").
+- A loss function of one's own cannot be read: :func:`token_cross_entropy` is one for token
+  models (Hugging Face outputs included) that returns the pair itself.
 - ``reduction="sum"`` would be averaged over the microbatches (a quarter of the whole
   batch's sum at 4 microbatches), ``reduction="none"`` is not a scalar: both are refused,
   on every rank at construction, naming the module.
@@ -26,7 +28,7 @@ from torch import nn
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["TokenMean", "exact_loss"]
+__all__ = ["TokenMean", "exact_loss", "token_cross_entropy"]
 
 
 class TokenMean:
@@ -78,4 +80,32 @@ def exact_loss(
         )
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and not loss_parallel:
         return TokenMean(loss_fn)
+    return loss_fn
+
+
+def token_cross_entropy(
+    ignore_index: int = -100, label_smoothing: float = 0.0, shift: bool = False
+) -> Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """A ``loss_fn`` for token models: the cross entropy summed over the targets that are not
+    ``ignore_index``, and their count, a ``(sum, count)`` pair, so the step's loss is the
+    mean over every kept token of the batch however the padding falls into microbatches and
+    dp replicas (``Pipeline(..., loss_fn=meshpipe.token_cross_entropy())``). ``output``:
+    logits ``(..., vocab)``, or an object or dict holding them as ``logits`` (a Hugging Face
+    model's output); ``target``: token ids of the leading shape. ``shift=True``: the target
+    is aligned with the inputs (Hugging Face's ``labels``), so position ``t`` predicts
+    ``target[..., t + 1]``."""
+
+    def loss_fn(output: Any, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"token_cross_entropy: no logits in a {type(output).__name__}")
+        if shift:
+            logits, target = logits[..., :-1, :], target[..., 1:]
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+            reduction="sum", label_smoothing=label_smoothing,
+        )  # fmt: skip
+        return total, (target != ignore_index).sum()
+
+    loss_fn.__qualname__ = loss_fn.__name__ = "token_cross_entropy"
     return loss_fn
