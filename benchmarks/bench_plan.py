@@ -272,6 +272,10 @@ def run_case(
         unique.setdefault(_label(c), c)
     configs = list(unique.values())
     results = run_on_ranks(_measure, world, case, configs, steps, rounds, timeout=2400)
+    # the machine's speed then against its speed at the profile: the same profile again
+    # (one process, CPU seconds), its work at the whole batch against the first one's
+    after = profile_model(model, args, target=target, loss_fn=loss_fn)
+    drift = _work(after) / _work(prof)
     rows = []
     for i, cfg in enumerate(configs):
         time_s = max(r[i]["time"] for r in results)
@@ -289,12 +293,19 @@ def run_case(
         "plan_vs_default": chosen["time"] / dflt["time"],
         "plan_vs_best": chosen["time"] / best["time"],
         "predicted_vs_measured": plan.step_time / chosen["time"],
+        "profile_drift": drift,
         "calibrated": calibrate,
         "grid_ratios": sorted(r["predicted"] / r["time"] for r in rows if r["predicted"]),
         "plan_peak_measured": chosen["peak"], "plan_peak_predicted": plan.peak_memory,
         "rows": rows,
     }  # fmt: skip
     return summary
+
+
+def _work(prof: Profile) -> float:
+    """Seconds of forward and backward of every piece at the profile's whole batch."""
+    rows = prof.batch_size
+    return sum(p.f.at(rows) + p.full.at(rows) for p in prof.pieces)
 
 
 def _grid_line(ratios: list[float]) -> str:
@@ -360,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['config']} | {r['time'] * 1e3:.1f} | {pred} | {r['peak']} |")
         print(
             f"plan/default {s['plan_vs_default']:.2f}, plan/best {s['plan_vs_best']:.2f}, "
-            f"predicted/measured {s['predicted_vs_measured']:.2f}, planning {s['planning_s']:.1f} s"
+            f"predicted/measured {s['predicted_vs_measured']:.2f}, "
+            f"planning {s['planning_s']:.1f} s, "
+            f"the model's work profiled again after the grid: {s['profile_drift']:.2f}x the first"
             + _grid_line(s["grid_ratios"])
             + (f", peak {s['plan_peak_measured']} B measured vs {s['plan_peak_predicted']} "
                f"predicted, cap {s['cap']}" if s["cap"] else "")  # fmt: skip
