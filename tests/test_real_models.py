@@ -335,13 +335,41 @@ def _custom() -> dict[str, Any]:
         res["refused"] = ""
     except meshpipe.PipelineError as e:
         res["refused"] = str(e)
+    res["padded"] = _gpt2_padded(mesh)
     return res
+
+
+def _gpt2_padded(mesh: Any) -> tuple[float, float]:
+    """GPT-2 (tied, whole: split where Pipeline chooses) on left-padded rows whose padding
+    falls unevenly into the microbatches, with meshpipe.token_cross_entropy(shift=True):
+    (|loss - Hugging Face's own loss with those labels|, worst gradient difference)."""
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = sm.gpt2(num_layers=4, dropout=0.0)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, sm.VOCAB, (8, 12), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(8):
+        mask[row, : (row * 3) % 7] = 0  # 0 - 6 padding tokens, unevenly per microbatch
+    labels = ids.masked_fill(mask == 0, -100)
+    loss_fn = meshpipe.token_cross_entropy(shift=True)
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 4, loss_fn=loss_fn)
+    loss = pipe.step(ids, target=labels, attention_mask=mask)
+    expected = ref(ids, attention_mask=mask, labels=labels).loss  # mean over kept tokens
+    expected.backward()
+    ref_params = dict(ref.named_parameters())
+    grad = max((p.grad - ref_params[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+    return abs(loss.item() - expected.item()), grad
 
 
 def test_custom_model_with_a_shape_branch_and_buffers_matches_one_process() -> None:
     results = run_on_ranks(_custom, 2, timeout=180.0)
     for rank, r in enumerate(results):
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, r)
+        loss_gap, grad_gap = r["padded"]  # GPT-2, padded labels, token_cross_entropy
+        assert loss_gap < ATOL and grad_gap < ATOL, (rank, r)
         assert "[2, 16, 8]" in r["refused"] and "traced at [8, 8, 8]" in r["refused"], (rank, r)
         assert "guard" in r["refused"], (rank, r)
     first, last = results
