@@ -205,6 +205,11 @@ def test_exact_loss_in_one_process() -> None:
     for reduction in ("sum", "none"):
         with pytest.raises(PipelineError, match=f"reduction='{reduction}'"):
             exact_loss(nn.CrossEntropyLoss(reduction=reduction), loss_parallel=False)
+    adaptive = nn.AdaptiveLogSoftmaxWithLoss(8, 20, cutoffs=[10])
+    with pytest.raises(PipelineError, match="trainable parameter"):
+        exact_loss(adaptive, loss_parallel=False)
+    adaptive.requires_grad_(False)  # frozen: nothing to reduce
+    assert exact_loss(adaptive, loss_parallel=False) is adaptive
     # class-probability targets: the module's own mean (over rows), not a pair
     out, probs = torch.randn(4, 5), torch.softmax(torch.randn(4, 5), -1)
     assert torch.equal(TokenMean(ce)(out, probs), ce(out, probs))

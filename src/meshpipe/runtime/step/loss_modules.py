@@ -14,7 +14,9 @@ mean divides by the rows, and wrong when it divides by something else:
   models (Hugging Face outputs included) that returns the pair itself.
 - ``reduction="sum"`` would be averaged over the microbatches (a quarter of the whole
   batch's sum at 4 microbatches), ``reduction="none"`` is not a scalar: both are refused,
-  on every rank at construction, naming the module.
+  on every rank at construction, naming the module. So is a loss module with trainable
+  parameters (``nn.AdaptiveLogSoftmaxWithLoss``): the Pipeline does not hold them, and
+  their gradients would stay this process's.
 """
 
 from __future__ import annotations
@@ -67,7 +69,18 @@ def exact_loss(
     """``loss_fn`` as the stages call it: a mean cross entropy or NLL module through
     :class:`TokenMean` (not under ``loss_parallel``, whose sharded logits the module's own
     call must see), any other as given; PipelineError for a torch loss module that sums
-    or does not reduce."""
+    or does not reduce, and for a loss module with trainable parameters."""
+    if isinstance(loss_fn, nn.Module):
+        trainable = [n for n, p in loss_fn.named_parameters() if p.requires_grad]
+        if trainable:
+            shown = ", ".join(trainable[:4]) + (" ..." if len(trainable) > 4 else "")
+            raise PipelineError(
+                f"loss_fn {type(loss_fn).__name__} has {len(trainable)} trainable "
+                f"parameter(s) ({shown}): the Pipeline does not hold them, so their gradients "
+                "would be neither reduced over dp nor clipped, checkpointed or listed by "
+                "pipe.parameters(); make that module the model's last one and give loss_fn "
+                "its output"
+            )
     reduction = getattr(loss_fn, "reduction", None)
     if isinstance(loss_fn, nn.modules.loss._Loss) and reduction in ("sum", "none"):
         raise PipelineError(
