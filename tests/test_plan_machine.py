@@ -16,6 +16,7 @@ from meshpipe.plan import PlanError
 from meshpipe.plan.machine import (
     MachineCost,
     _makespan,
+    fit_reduction,
     fit_runtime,
     local_cores,
     measure_machine,
@@ -36,6 +37,38 @@ def test_fit_recovers_known_overheads(n: int, cores: int) -> None:
 
 def test_fit_never_goes_negative() -> None:
     assert fit_runtime(2, 1e-3, 1e-3, [(2, 1e-6), (8, 1e-6)], 0.0) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_reduction_fit_recovers_latency_and_bandwidth(n: int) -> None:
+    """Reductions made by a known line, at the probe's two sizes: both figures found; a
+    larger size that took no longer (noise) is read as a bandwidth alone; no time at all is
+    not a measurement (inf)."""
+    sizes, lat, bw = (1 << 20, 4 << 20), 2e-3, 1e9
+    seconds = [lat + 2 * (n - 1) / n * b / bw for b in sizes]
+    got_lat, got_bw = fit_reduction(n, sizes, seconds)
+    assert got_lat == pytest.approx(lat, rel=1e-9) and got_bw == pytest.approx(bw, rel=1e-9)
+    moved = 2 * (n - 1) / n * sizes[1]
+    assert fit_reduction(n, sizes, [5e-3, 4e-3]) == (0.0, pytest.approx(moved / 4e-3))
+    assert fit_reduction(n, sizes, [1e-3, -1e-4]) == (0.0, math.inf)
+
+
+def test_dp_latency_is_in_every_data_parallel_prediction() -> None:
+    """A layout with dp > 1 pays dp_latency once per step beyond its bytes; pp alone not."""
+    from meshpipe.plan.candidate import Layout, Settings, judge
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    prof = profile_model(model, (x,), target=y, loss_fn=nn.functional.mse_loss, repeats=1)
+    base = Settings(world_size=2, p2p_latency=1e-4)
+    slow = Settings(world_size=2, p2p_latency=1e-4, dp_latency=5e-3)
+    dp = [judge(prof, Layout(1, 2), "1f1b", 1, 1, st, []) for st in (base, slow)]
+    pp = [judge(prof, Layout(2, 1), "1f1b", 1, 2, st, [2]) for st in (base, slow)]
+    assert dp[0] is not None and dp[1] is not None and pp[0] is not None and pp[1] is not None
+    # the measured latency takes the place of the p2p latency in the reduction
+    assert dp[1].step_time - dp[0].step_time == pytest.approx(5e-3 - 1e-4, rel=1e-6)
+    assert pp[1].step_time == pp[0].step_time
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -88,6 +121,9 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
     # a reduction not told from noise (inf) is not measured: the link's all-reduce stays
     dp = cost.dp_bandwidth if math.isfinite(cost.dp_bandwidth) else link.allreduce_bandwidth
     assert a["dp_bandwidth"] == dp and a["p2p_latency"] == link.latency
+    assert cost.dp_latency >= 0.0, cost
+    if math.isfinite(cost.dp_bandwidth):
+        assert a["dp_latency"] == cost.dp_latency
     unmeasured = replace(cost, dp_bandwidth=math.inf)
     monkeypatch.setattr(machine_mod, "measure_machine", lambda *a, **k: unmeasured)
     kept = meshpipe.plan(model, world_size=2, measure_machine=True, profile=prof)

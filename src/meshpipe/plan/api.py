@@ -45,6 +45,7 @@ def plan(
     p2p_latency: float = 1e-4,
     p2p_bandwidth: float = 2e9,
     dp_bandwidth: float = 2e9,
+    dp_latency: float = 0.0,
     overhead: float = 5e-5,
     step_overhead: float = 0.0,
     slowdown: float = 1.0,
@@ -88,8 +89,9 @@ def plan(
     the local CPU cores the processes share, when fewer than them; the search then replays
     each candidate with every action at its share of the cores, ``meshpipe.plan.sharing``;
     0, the default, gives each process a core or GPU of its own), the runtime's ``overhead``
-    per action and ``step_overhead`` per step, ``dp_bandwidth`` as the runtime's own dp
-    reduction costs it (the link's all-reduce figure when that cannot be told from noise),
+    per action and ``step_overhead`` per step, ``dp_latency`` and ``dp_bandwidth`` as the
+    runtime's own dp reduction costs it at two sizes (the link's all-reduce figure when
+    that cannot be told from noise),
     and ``tp_efficiency`` from a tensor-parallel MLP block. The arguments of the same names
     are the figures used otherwise (documented defaults; ``slowdown`` multiplies the
     profile's times; it is 1, and ``cores`` 0, for a
@@ -105,10 +107,12 @@ def plan(
     if isinstance(cores, bool) or not whole:
         raise PlanError(f"cores must be a whole number >= 0, got {cores!r}")
     cores = int(cores)  # a plan's assumptions hold it as a float
-    if not slowdown > 0 or step_overhead < 0 or overhead < 0 or not 0 <= tp_efficiency <= 1:
+    bad = step_overhead < 0 or overhead < 0 or dp_latency < 0
+    if not slowdown > 0 or bad or not 0 <= tp_efficiency <= 1:
         raise PlanError(
-            f"slowdown must be > 0, the overheads >= 0 and tp_efficiency in [0, 1], got "
-            f"slowdown={slowdown!r}, overhead={overhead!r}, step_overhead={step_overhead!r}, "
+            f"slowdown must be > 0, the overheads and dp_latency >= 0 and tp_efficiency in "
+            f"[0, 1], got slowdown={slowdown!r}, overhead={overhead!r}, "
+            f"step_overhead={step_overhead!r}, dp_latency={dp_latency!r}, "
             f"tp_efficiency={tp_efficiency!r}"
         )
     if profile is None:
@@ -136,11 +140,12 @@ def plan(
         slowdown = 1.0 if together else machine.slowdown
         cores = 0 if together else machine.cores
         if math.isfinite(machine.dp_bandwidth):  # else not measured: the link's all-reduce
-            dp_bandwidth = machine.dp_bandwidth
+            dp_bandwidth, dp_latency = machine.dp_bandwidth, machine.dp_latency
         tp_efficiency = machine.tp_efficiency
     settings = Settings(
         world_size=world_size, memory_per_rank=memory_per_rank, p2p_latency=p2p_latency,
-        p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, overhead=overhead, fsdp=fsdp,
+        p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, dp_latency=dp_latency,
+        overhead=overhead, fsdp=fsdp,
         slowdown=slowdown, step_overhead=step_overhead, tp_efficiency=tp_efficiency,
         cores=cores,
     )  # fmt: skip

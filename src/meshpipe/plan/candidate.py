@@ -51,6 +51,7 @@ class Settings:
     p2p_latency: float = 1e-4  # seconds per transfer
     p2p_bandwidth: float = 2e9  # bytes per second between pp ranks
     dp_bandwidth: float = 2e9  # bytes per second of the gradient all-reduce
+    dp_latency: float = 0.0  # seconds it costs beyond its bytes (0: the p2p latency)
     overhead: float = 5e-5  # seconds the runtime adds per action
     tp_efficiency: float = 0.8  # speedup of tp t is 1 + (t - 1) * efficiency
     fsdp: bool = False
@@ -71,7 +72,7 @@ class Settings:
 
 FIGURES = (
     "p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "tp_efficiency", "slowdown",
-    "step_overhead", "cores",
+    "step_overhead", "cores", "dp_latency",
 )  # fmt: skip
 
 
@@ -275,6 +276,7 @@ def _step_time(
         if d > 1:
             own = sched.stages_of(r)
             grads = sum(sums.grads[bounds[s + 1]] - sums.grads[bounds[s]] for s in own)
-            end += st.p2p_latency + 2 * (d - 1) / d * grads / layout.tp / st.dp_bandwidth
+            fixed = st.dp_latency if st.dp_latency > 0 else st.p2p_latency
+            end += fixed + 2 * (d - 1) / d * grads / layout.tp / st.dp_bandwidth
         step = max(step, end + st.step_overhead)
     return step, tuple(zip(f, b, ws)), p2p

@@ -19,13 +19,17 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
   best. (Before 2026-12-02: CPU seconds per action, a process's CPU time over the steps
   less its stages' work timed in four processes at once; a small difference of large
   figures, 27 - 622 us from one run to the next, and the per-step cost 3 - 19 ms with it.)
-- **dp_bandwidth**: the gradient reduction as the runtime runs it for a data-parallel
-  plan: ``meshpipe.Pipeline`` steps of a model with ``REDUCE_BYTES`` of gradients
-  (``REDUCE_ROWS`` rows) over every process as dp replicas (``dp="ddp"``), alternately
-  inside ``no_sync()`` and outside; ``2 (n-1)/n x bytes`` over the median difference of
-  the pairs (the slowest process's). It holds what the runtime does around the all-reduce
-  (gradients copied into one bucket and back, scaled), which an all-reduce timed alone does
-  not show. A difference not above 0 (noise) gives ``inf``: not measured.
+- **dp_latency** and **dp_bandwidth**: the gradient reduction as the runtime runs it for a
+  data-parallel plan: ``meshpipe.Pipeline`` steps of a model with each of
+  ``REDUCE_SIZES`` bytes of gradients (``REDUCE_ROWS`` rows) over every process as dp
+  replicas (``dp="ddp"``), alternately inside ``no_sync()`` and outside; the median
+  difference of the pairs (the slowest process's) at each size, fitted as ``dp_latency +
+  2 (n-1)/n x bytes / dp_bandwidth`` (``fit_reduction``). It holds what the runtime does
+  around the all-reduce (gradients copied into one bucket and back, scaled), which an
+  all-reduce timed alone does not show, and its fixed cost: 2 processes here, 1 MiB took
+  2 - 4 ms and 4 MiB 5 - 6 ms, so one size read as a bandwidth (8 MiB alone until
+  2026-12-02) put a 4 MB model's reduction at 3.5 ms where it took about 6. Differences
+  not above 0 (noise) give ``inf``: not measured.
 
 - **tp_efficiency**: an MLP block (``TP_WIDTH`` wide, 4x inside, ``TP_ROWS`` rows) forward
   and backward alone in one process, then tensor-parallel over every process (DTensor,
@@ -60,7 +64,7 @@ __all__ = ["MachineCost", "measure_machine"]
 
 log = logging.getLogger(__name__)
 
-REDUCE_BYTES = 8 << 20  # gradients of the DDP probe
+REDUCE_SIZES = (1 << 20, 4 << 20)  # gradient bytes of the DDP probe's two models
 REDUCE_ROWS = 16  # its rows: little compute, so that its noise hides little of the reduction
 PROBE_MICROBATCHES = (1, 2, 4)  # per pp rank: the step sizes the runtime is timed at
 PROBE_WIDTH, PROBE_DEPTH, PROBE_ROWS = (
@@ -84,6 +88,7 @@ class MachineCost:
     points: tuple[tuple[int, float], ...] = ()  # (microbatches, step seconds) of the probe
     tp_efficiency: float = 0.8  # speedup at tp = t is 1 + (t - 1) x this
     cores: int = 0  # cores the processes share, when fewer than them (0: one each)
+    dp_latency: float = 0.0  # seconds a gradient reduction costs beyond its bytes
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,19 +202,24 @@ def _recorded_steps(
     return out
 
 
-def _reduce_probe(device: torch.device, repeats: int) -> float:
-    """What the runtime's dp reduction adds to a step, in seconds: ``meshpipe.Pipeline``
-    steps over every process as dp replicas (``dp="ddp"``) of a model with ``REDUCE_BYTES``
-    of gradients, alternately inside ``no_sync()`` (no reduction) and outside (the
-    runtime's own reduction, as a data-parallel plan runs it); the median over ``repeats``
-    such pairs of their difference (pairs taken a moment apart see the same load, where two
-    separate series of steps need not)."""
+def _reduce_probe(device: torch.device, repeats: int) -> list[float]:
+    """What the runtime's dp reduction adds to a step, in seconds, for each of
+    ``REDUCE_SIZES`` bytes of gradients (:func:`_reduce_once`)."""
+    return [_reduce_once(device, repeats, size) for size in REDUCE_SIZES]
+
+
+def _reduce_once(device: torch.device, repeats: int, size: int) -> float:
+    """``meshpipe.Pipeline`` steps over every process as dp replicas (``dp="ddp"``) of a
+    model with ``size`` bytes of gradients, alternately inside ``no_sync()`` (no reduction)
+    and outside (the runtime's own reduction, as a data-parallel plan runs it); the median
+    over ``repeats`` such pairs of their difference (pairs taken a moment apart see the
+    same load, where two separate series of steps need not)."""
     import torch.distributed as dist
 
     import meshpipe
 
     width = 512
-    layers = max(1, REDUCE_BYTES // (4 * width * width))
+    layers = max(1, size // (4 * width * width))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     mesh = meshpipe.init_mesh(pp=1, dp=dist.get_world_size())
@@ -384,6 +394,22 @@ def runtime_costs(
     return inside + d, c
 
 
+def fit_reduction(n: int, sizes: tuple[int, ...], seconds: list[float]) -> tuple[float, float]:
+    """(latency, bandwidth) of a gradient reduction over ``n`` processes from what it added
+    to steps with ``sizes`` bytes of gradients: ``latency + 2 (n-1)/n x bytes /
+    bandwidth`` through the smallest and largest size. Where the larger did not take
+    longer (noise), the largest alone as a bandwidth (latency 0); where it took no time at
+    all, (0, inf): not measured."""
+    moved = [2 * (n - 1) / n * b for b in sizes]
+    (b1, t1), (b2, t2) = (moved[0], seconds[0]), (moved[-1], seconds[-1])
+    if t2 <= 0:
+        return 0.0, math.inf
+    if t2 <= t1 or t1 <= 0:
+        return 0.0, b2 / t2
+    bandwidth = (b2 - b1) / (t2 - t1)
+    return max(0.0, t1 - b1 / bandwidth), bandwidth
+
+
 def local_cores(device: str) -> int:
     """The cores this process may run on (CPU), which the job's local processes share; 0 on
     CUDA (a GPU per process: the host's cores are not what bounds its speed)."""
@@ -424,15 +450,20 @@ def measure_machine(
         _probe, num_processes, device, repeats, cores, timeout=timeout, device=device
     )  # fmt: skip
     slowdown = max(1.0, next(g["slowdown"] for g in got if g["slowdown"] is not None))
-    exposed = max(g["exposed"] for g in got)  # the step waits for the slowest process
+    # the step waits for the slowest process
+    exposed = [max(g["exposed"][k] for g in got) for k in range(len(REDUCE_SIZES))]
     n = num_processes
-    reduced = 2 * (n - 1) / n * REDUCE_BYTES
-    dp_bandwidth = reduced / exposed if exposed > 0 else float("inf")
-    if exposed <= 0:
+    dp_latency, dp_bandwidth = fit_reduction(n, REDUCE_SIZES, exposed)
+    log.info(
+        "dp reduction: %s; fitted %.2f ms + bytes at %.2f GB/s",
+        ", ".join(f"{b >> 20} MiB {t * 1e3:.2f} ms" for b, t in zip(REDUCE_SIZES, exposed)),
+        dp_latency * 1e3, dp_bandwidth / 1e9,
+    )  # fmt: skip
+    if not math.isfinite(dp_bandwidth):
         log.warning(
-            "measure_machine: the dp reduction of %d bytes added %.2f ms to a step (noise); "
-            "dp_bandwidth is not measured (inf): the planner keeps its other figure",
-            REDUCE_BYTES, exposed * 1e3,
+            "measure_machine: the dp reductions added %s ms to a step (noise); dp_bandwidth "
+            "is not measured (inf): the planner keeps its other figure",
+            [round(t * 1e3, 2) for t in exposed],
         )  # fmt: skip
     points = [(mb, max(g["steps"][k][1] for g in got)) for k, (mb, _) in enumerate(got[0]["steps"])]
     f = statistics.median(g["f"] for g in got if g["f"] is not None)
@@ -449,12 +480,13 @@ def measure_machine(
     own = speedup * (n / shared if shared else 1.0)
     tp_efficiency = min(1.0, max(0.0, (own * slowdown - 1.0) / (n - 1)))
     cost = MachineCost(
-        n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency, shared
+        n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency, shared,
+        dp_latency,
     )  # fmt: skip
     log.info(
         "machine measured in %.1f s: %d processes on %s cores, slowdown %.2f, overhead %.0f us "
-        "per action, %.2f ms per step, dp reduction %.2f GB/s, tp efficiency %.2f",
+        "per action, %.2f ms per step, dp reduction %.2f ms + %.2f GB/s, tp efficiency %.2f",
         time.perf_counter() - t0, n, cores or "their own", slowdown, overhead * 1e6,
-        step * 1e3, dp_bandwidth / 1e9, tp_efficiency,
+        step * 1e3, dp_latency * 1e3, dp_bandwidth / 1e9, tp_efficiency,
     )  # fmt: skip
     return cost
