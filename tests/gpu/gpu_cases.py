@@ -210,7 +210,37 @@ def features(device: str) -> dict[str, float]:
         for n, p in ref.named_parameters()
         if n in mine
     )
+    out.update(_token_mean(mesh, dev))
     return out
+
+
+def _token_mean(mesh: Any, dev: torch.device) -> dict[str, float]:
+    """``nn.CrossEntropyLoss()`` over targets padded unevenly across the microbatches (run
+    as a (sum, count) pair on the device): |loss - one process's|, and the synchronising
+    CUDA calls of its third step (0 expected: the counts stay on the device)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 10))
+    ref = copy.deepcopy(net).to(dev)
+    x = torch.randn(16, 16, device=dev)
+    y = torch.randint(0, 10, (16,), device=dev)
+    y[:3] = -100  # the first microbatch: one target of four kept
+    ce = nn.CrossEntropyLoss()
+    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 4, loss_fn=ce, timeout=WAIT)
+    loss = pipe.step(x, target=y)
+    gap = abs(float(loss) - float(ce(ref(x), y)))
+    pipe.step(x, target=y)
+    syncs = 0
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                pipe.step(x, target=y)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {"token_loss": gap, "token_syncs": float(syncs)}
 
 
 def device_values(device: str, plain: bool) -> dict[str, str]:
