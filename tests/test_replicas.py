@@ -4,7 +4,8 @@ then match one process training dp replica 0's model on the whole batch.
 
 One spawn of 4 processes: pp2 x dp2 with dp=None/"ddp"/"fsdp", stage meshes [dp2, tp2],
 pp1 x dp2 x tp2 with dp="fsdp" (DTensor shards, before FSDP2 shards them), and replicas that
-build different models (refused on every process).
+build different models (refused on every process); and a parameter no replica uses, which
+keeps no gradient (AdamW's weight decay then leaves it alone, as in one process).
 """
 
 from __future__ import annotations
@@ -138,11 +139,49 @@ def _odd_case(mesh: Any) -> dict[str, Any]:
     return {"differ": differ, "broadcasts": calls[0] - before}
 
 
+class WithUnused(nn.Module):
+    """A Linear, and one its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _unused_case(mesh: Any, dp: str | None) -> dict[str, Any]:
+    """Two AdamW steps (weight decay 0.1) of a model whose stage 0 holds an unused Linear,
+    against one process: the unused parameters' .grad and the largest parameter gap."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), WithUnused(), nn.Tanh(), nn.Linear(D, D))
+    ref = nn.Sequential(nn.Linear(D, D), WithUnused(), nn.Tanh(), nn.Linear(D, D))
+    ref.load_state_dict(model.state_dict())
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 2, loss_fn=mse, dp=dp, timeout=60)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    torch.manual_seed(3)
+    x, y = torch.randn(8, D), torch.randn(8, D)
+    for _ in range(2):
+        pipe.step(dp_batch(x, mesh), target=dp_batch(y, mesh))
+        opt.step()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        unused = [p.grad is None for n, p in pipe.named_parameters() if ".unused." in n]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    theirs = dict(ref.named_parameters())
+    gap = max((p - theirs[n]).abs().max().item() for n, p in pipe.named_parameters())
+    return {"unused_grad_none": unused, "gap": gap}
+
+
 def _four() -> dict[str, Any]:
     res: dict[str, Any] = {}
     mesh = meshpipe.init_mesh(pp=2, dp=2)
     d = mesh.get_local_rank("dp")
     res["odd tensors"] = _odd_case(mesh)
+    for dp in (None, "ddp"):
+        res[f"unused, dp={dp}"] = _unused_case(mesh, dp)
     for dp in (None, "ddp", "fsdp"):
         res[f"pp2 x dp2, dp={dp}"] = _case(mesh, d, lambda t: dp_batch(t, mesh), dp=dp)
     meshes = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 2}])
@@ -193,6 +232,19 @@ def test_one_broadcast_per_stage_where_dp_is_split(four: list[dict[str, Any]], c
         # stage meshes: the tp=2 stage (processes 2, 3) has no dp replicas to make equal
         expected = 0 if case.startswith("stage") and rank >= 2 else 1
         assert four[rank][case]["broadcasts_per_stage"] == expected, (rank, res[case])
+
+
+@pytest.mark.parametrize("dp", [None, "ddp"])
+def test_a_parameter_no_replica_uses_keeps_no_gradient(
+    four: list[dict[str, Any]], dp: str | None
+) -> None:
+    """It used to get a zero gradient from the reduction's bucket: AdamW's weight decay
+    then shrank it, where one process leaves it as it was."""
+    for rank, res in enumerate(four):
+        got = res[f"unused, dp={dp}"]
+        if rank < 2:  # pp rank 0 holds stage 0, with the unused Linear (weight and bias)
+            assert got["unused_grad_none"] == [True, True], (rank, got)
+        assert got["gap"] <= ATOL, (rank, got)
 
 
 def test_odd_tensors_are_copied_exactly_in_small_buckets(four: list[dict[str, Any]]) -> None:

@@ -3,6 +3,13 @@
 A tensor-parallel parameter is a DTensor: its bucket holds the local shard of its gradient
 (dp replicas of one tp position hold matching shards), and its gradient is rebuilt as a
 DTensor of the same layout over its slice of the reduced bucket.
+
+A parameter without a gradient (unused in this step) enters as zeros, and the bucket ends
+with one flag per parameter (1: it had a gradient here), summed with the rest: on a CPU
+bucket, where reading costs nothing, a parameter no replica had a gradient for keeps
+``.grad`` None, as in one process (and as torch's DDP leaves globally unused parameters),
+so an optimizer skips it instead of decaying it by weight decay on a zero gradient. On
+CUDA it gets the zeros (reading the flags would make the host wait for the GPU).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class Bucket:
         self.params = list(params)
         self._layouts: list[Any] = []
         pieces = []
+        had = []
         for p in self.params:
             g = p.grad
             spec = g if isinstance(g, DTensor) else p
@@ -37,17 +45,27 @@ class Bucket:
             )
             local = _local(g) if g is not None else torch.zeros_like(_local(p))
             pieces.append(local.reshape(-1))
+            had.append(g is not None)
+        if pieces:
+            flags = torch.tensor(had, dtype=pieces[0].dtype, device=pieces[0].device)
+            pieces.append(flags)
         self.flat = torch.cat(pieces) if pieces else torch.zeros(0)
 
     def point_back(self) -> None:
         """Each parameter's gradient becomes its slice of ``flat`` (a DTensor of its layout
         for tensor-parallel parameters)."""
         offset = 0
-        for p, layout in zip(self.params, self._layouts, strict=True):
+        count = len(self.params)
+        # CPU: which parameters some replica had a gradient for (reading costs nothing)
+        flags = self.flat[self.flat.numel() - count :]
+        used = flags.tolist() if self.flat.device.type == "cpu" else [1] * count
+        for p, layout, some in zip(self.params, self._layouts, used, strict=True):
             shape = _local(p).shape
             n = shape.numel()
             piece = self.flat[offset : offset + n].view(shape)
             offset += n
+            if not some:  # no replica used it: no gradient, as in one process
+                continue
             if layout is None:
                 p.grad = piece
             else:
