@@ -247,6 +247,23 @@ def test_a_parameter_no_replica_uses_keeps_no_gradient(
         assert got["gap"] <= ATOL, (rank, got)
 
 
+def test_a_bucket_off_the_cpu_reads_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flags are read from CPU buckets only: elsewhere (a meta bucket stands for CUDA
+    here) reading them would make the host wait; every parameter gets its slice."""
+    from meshpipe.parallel.buckets import Bucket
+
+    params = [nn.Parameter(torch.empty(3, device="meta")) for _ in range(2)]
+    params[0].grad = torch.empty(3, device="meta")  # params[1] unused
+    bucket = Bucket(params)
+
+    def refuse(self: torch.Tensor) -> Any:
+        raise AssertionError("a host read")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    bucket.point_back()
+    assert all(p.grad is not None and p.grad.shape == (3,) for p in params)
+
+
 def test_odd_tensors_are_copied_exactly_in_small_buckets(four: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(four):
         assert res["odd tensors"]["differ"] == [], (rank, res["odd tensors"])
