@@ -111,6 +111,11 @@ def _syncs_in_third_step(mesh: Any, name: str, rows: int, **options: Any) -> int
     x, y = torch.randn(rows, 16, device=dev), torch.randn(rows, 16, device=dev)
     for _ in range(2):
         pipe.step(x, target=y)
+    return _syncs_in_step(pipe, dev, x, y)
+
+
+def _syncs_in_step(pipe: Any, dev: torch.device, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Synchronising CUDA calls in one more step of ``pipe`` (0 on a CPU run, which steps)."""
     if dev.type != "cuda":
         pipe.step(x, target=y)
         return 0
@@ -229,18 +234,7 @@ def _token_mean(mesh: Any, dev: torch.device) -> dict[str, float]:
     loss = pipe.step(x, target=y)
     gap = abs(float(loss) - float(ce(ref(x), y)))
     pipe.step(x, target=y)
-    syncs = 0
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                pipe.step(x, target=y)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return {"token_loss": gap, "token_syncs": float(syncs)}
+    return {"token_loss": gap, "token_syncs": float(_syncs_in_step(pipe, dev, x, y))}
 
 
 def device_values(device: str, plain: bool) -> dict[str, str]:
