@@ -26,10 +26,10 @@ CPU and gloo, or one GPU each with NCCL) and measures, all of them running at on
   difference of the pairs (the slowest process's) at each size, fitted as ``dp_latency +
   2 (n-1)/n x bytes / dp_bandwidth`` (``fit_reduction``). It holds what the runtime does
   around the all-reduce (gradients copied into one bucket and back, scaled), which an
-  all-reduce timed alone does not show, and its fixed cost: 2 processes here, 1 MiB took
-  2 - 4 ms and 4 MiB 5 - 6 ms, so one size read as a bandwidth (8 MiB alone until
-  2026-12-02) put a 4 MB model's reduction at 3.5 ms where it took about 6. Differences
-  not above 0 (noise) give ``inf``: not measured.
+  all-reduce timed alone does not show, and its fixed cost: with 2 processes here 1 MiB
+  took 1.4 - 3.9 ms and 4 MiB 4.2 - 8.9 ms (docs/plan.md), so one size read as a bandwidth
+  (8 MiB alone until 2026-12-02) put a 4 MB model's reduction at 3.5 ms where it took
+  about 6. Differences not above 0 (noise) give ``inf``: not measured.
 
 - **tp_efficiency**: an MLP block (``TP_WIDTH`` wide, 4x inside, ``TP_ROWS`` rows) forward
   and backward alone in one process, then tensor-parallel over every process (DTensor,
