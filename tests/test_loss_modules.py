@@ -199,6 +199,16 @@ def test_exact_loss_in_one_process() -> None:
     ce = nn.CrossEntropyLoss()
     assert isinstance(exact_loss(ce, loss_parallel=False), TokenMean)
     assert exact_loss(ce, loss_parallel=True) is ce  # the module itself sees sharded logits
+
+    class Scaled(nn.CrossEntropyLoss):  # the user's own forward: called as given
+        def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return 2.0 * super().forward(input, target)
+
+    scaled = Scaled()
+    assert exact_loss(scaled, loss_parallel=False) is scaled
+    hooked = nn.CrossEntropyLoss()
+    hooked.register_forward_hook(lambda m, i, o: o)
+    assert exact_loss(hooked, loss_parallel=False) is hooked
     mse = nn.MSELoss()
     assert exact_loss(mse, loss_parallel=False) is mse
     assert exact_loss(None, loss_parallel=False) is None

@@ -66,9 +66,10 @@ class TokenMean:
 def exact_loss(
     loss_fn: Callable[..., Any] | None, loss_parallel: bool
 ) -> Callable[..., Any] | None:
-    """``loss_fn`` as the stages call it: a mean cross entropy or NLL module through
-    :class:`TokenMean` (not under ``loss_parallel``, whose sharded logits the module's own
-    call must see), any other as given; PipelineError for a torch loss module that sums
+    """``loss_fn`` as the stages call it: a mean ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``
+    itself (not a subclass, no hooks on it) through :class:`TokenMean` (not under
+    ``loss_parallel``, whose sharded logits the module's own call must see), any other as
+    given; PipelineError for a torch loss module that sums
     or does not reduce, and for a loss module with trainable parameters."""
     if isinstance(loss_fn, nn.Module):
         trainable = [n for n, p in loss_fn.named_parameters() if p.requires_grad]
@@ -91,8 +92,10 @@ def exact_loss(
             "reduction='mean', or a loss_fn returning a (sum, count) pair (the step's loss "
             "is then the total sum over the total count)"
         )
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and not loss_parallel:
-        return TokenMean(loss_fn)
+    if type(loss_fn) in (nn.CrossEntropyLoss, nn.NLLLoss) and not loss_parallel:
+        hooked = loss_fn._forward_hooks or loss_fn._forward_pre_hooks  # type: ignore[union-attr]
+        if not hooked:  # a subclass's forward, or a hook, is the user's: called as given
+            return TokenMean(loss_fn)  # type: ignore[arg-type]
     return loss_fn
 
 
