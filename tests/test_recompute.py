@@ -320,6 +320,46 @@ def _is_block(name: str, module: nn.Module) -> bool:
     return isinstance(module, Block)
 
 
+class Counting(nn.Module):
+    """A Linear whose forward counts its calls and keeps a running mean of its input: the
+    buffers a recomputation must not update a second time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return self.lin(x)
+
+
+def _is_counting(name: str, module: nn.Module) -> bool:
+    return isinstance(module, Counting)
+
+
+def _buffers_once(mesh: Any, name: str, policy: Any) -> float:
+    """One step of 4 microbatches recomputing every Counting module: the largest gap of its
+    buffers from one process running the 4 microbatches once each (0 expected; a
+    recomputation used to update them again: calls 8 after 4 microbatches)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [Counting(), nn.Tanh(), Counting(), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, name, 4, loss_fn=mse, activation_checkpointing=policy, timeout=60
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, target=y)
+    for i in range(4):
+        ref(x[2 * i : 2 * i + 2])
+    theirs = dict(ref.named_buffers())
+    mine = {n: b for s in pipe.stages for n, b in s.named_buffers()}
+    return max((b.float() - theirs[n].float()).abs().max().item() for n, b in mine.items())
+
+
 def _all(_: None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = meshpipe.init_mesh(pp=2)
@@ -331,7 +371,9 @@ def _all(_: None = None) -> dict[str, Any]:
         for label, policy in (("none", None), ("full", "full")):
             out[f"calls-{label}-{name}"] = _forward_calls(mesh, name, policy)
         out[f"dropout-{name}"] = _dropout_replayed(mesh, name)
+        out[f"buffers-full-{name}"] = _buffers_once(mesh, name, "full")
         out[f"early-{name}"] = _replayed_before_gradients(mesh, name)
+    out["buffers-blocks-1f1b"] = _buffers_once(mesh, "1f1b", _is_counting)
     torch.manual_seed(0)
     out["traced-full"], _ = _case(mesh, "zbv", "full", model=Stack(num_blocks=4))
     torch.manual_seed(0)
@@ -423,6 +465,12 @@ def test_the_forward_is_recomputed_once(results: Any, name: str) -> None:
         assert calls == 2.0 - kept / (4 * stages), (rank, res[f"calls-full-{name}"])
     kept = [res[f"calls-full-{name}"][1] for res in results]
     assert kept == {"1f1b": [0, 4], "zbv": [2, 0]}[name], kept
+
+
+@pytest.mark.parametrize("case", ["full-1f1b", "full-zbv", "blocks-1f1b"])
+def test_a_recomputation_does_not_update_buffers_again(results: Any, case: str) -> None:
+    for rank, res in enumerate(results):
+        assert res[f"buffers-{case}"] == 0.0, (rank, case, res[f"buffers-{case}"])
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])

@@ -6,11 +6,17 @@ between F and B/I). A callable ``(qualified_name, module) -> bool`` picks submod
 the stage whose forward is recomputed instead (e.g. every transformer block, also on
 traced stages, which call their blocks as modules); their parameter names do not change
 (the module's forward is wrapped, the module is not replaced).
+
+A forward run again for its activations is not a second forward: buffers it updates
+(batch norm's running statistics, a counter) are put back as they were before the
+recomputation (:class:`KeptBuffers`), so they end each step as in one process without
+checkpointing (before 2026-12-02 a replayed stage's counter read 8 after 4 microbatches).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -25,7 +31,7 @@ from meshpipe.schedule.ir import Op
 
 __all__ = [
     "Policy", "check_policy", "stage_policy", "apply_policy", "backward_plan", "Replay",
-    "keeping_nothing", "replays",
+    "keeping_nothing", "replays", "KeptBuffers", "recomputing",
 ]  # fmt: skip
 
 Policy = str | Callable[[str, nn.Module], bool] | None
@@ -59,8 +65,49 @@ def stage_policy(policy: Any, stage: int) -> Policy:
     return policy  # type: ignore[no-any-return]
 
 
-def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=same_modes, **kwargs)
+def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    context = partial(recomputing, module)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+# per module: the names of the buffers its forward updates, learned at its first
+# recomputation (every buffer is kept then; only those afterwards)
+_updated: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
+
+
+class KeptBuffers:
+    """Puts ``module``'s buffers that a recomputation changed back as they were before it.
+    The first recomputation of a module keeps a copy of every buffer and learns which ones
+    its forward updates; later ones copy only those."""
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self.module = module
+        self.saved: list[tuple[str, torch.Tensor, int, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        if self.module is None:
+            return
+        names = _updated.get(self.module)
+        buffers = self.module.named_buffers()
+        with torch.no_grad():
+            self.saved = [
+                (n, b, b._version, b.detach().clone())
+                for n, b in buffers
+                if names is None or n in names
+            ]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.module is None:
+            return
+        changed = []
+        with torch.no_grad():
+            for name, buf, version, old in self.saved:
+                if buf._version != version:
+                    buf.copy_(old)
+                    changed.append(name)
+        if self.module not in _updated:
+            _updated[self.module] = changed
+        self.saved = []
 
 
 class _Modes:
@@ -87,6 +134,29 @@ def same_modes() -> tuple[contextlib.AbstractContextManager[None], _Modes]:
     function modes of the forward (context parallelism routes attention by one; a backward
     call, which the engine recomputes in, runs outside them)."""
     return contextlib.nullcontext(), _Modes(_mode_stack())
+
+
+class _Recompute:
+    """The context of a recomputation: the forward's torch function modes, and the buffers
+    it updates put back afterwards."""
+
+    def __init__(self, modes: _Modes, kept: KeptBuffers) -> None:
+        self.modes, self.kept = modes, kept
+
+    def __enter__(self) -> None:
+        self.kept.__enter__()
+        self.modes.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.modes.__exit__(*exc)
+        self.kept.__exit__(*exc)
+
+
+def recomputing(module: nn.Module) -> tuple[contextlib.AbstractContextManager[None], _Recompute]:
+    """torch.utils.checkpoint's ``context_fn`` for ``module``: as :func:`same_modes`, and
+    the buffers the recomputation updates put back (:class:`KeptBuffers`)."""
+    forward, modes = same_modes()
+    return forward, _Recompute(modes, KeptBuffers(module))
 
 
 def _mode_stack() -> list[Any]:
@@ -128,7 +198,7 @@ def apply_policy(stage: nn.Module, policy: Policy, stage_index: int) -> bool:
     for name, module in chosen:
         if any(_under(name, other) for other, _ in chosen if other != name):
             continue  # an enclosing module is recomputed already
-        module.forward = partial(_checkpointed, module.forward)
+        module.forward = partial(_checkpointed, module, module.forward)
     return False
 
 
@@ -162,16 +232,19 @@ def backward_plan(policy: Policy, full: bool, compiled: str, dp: str | None) -> 
 class Replay:
     """What I needs to run a stage's forward again: its inputs and F's random state."""
 
-    def __init__(self, call: Callable[[], Any], device: torch.device) -> None:
+    def __init__(
+        self, call: Callable[[], Any], device: torch.device, module: nn.Module | None = None
+    ) -> None:
         self._call = call
         self._device = device
+        self._module = module  # whose buffers the replay leaves as they were
         self._cpu = torch.get_rng_state()
         self._cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
     def run(self) -> Any:
         """The forward again, recording its graph, with the random state F had."""
         devices = [self._device] if self._cuda is not None else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), KeptBuffers(self._module):
             torch.set_rng_state(self._cpu)
             if self._cuda is not None:
                 torch.cuda.set_rng_state(self._cuda, self._device)

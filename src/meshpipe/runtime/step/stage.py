@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from meshpipe.errors import PipelineError
 from meshpipe.runtime.step.backward import WeightGrad, backward_full, backward_input
 from meshpipe.runtime.step.loss_target import loss_args, target_use
 from meshpipe.runtime.step.pytree import flatten, unflatten
-from meshpipe.runtime.step.recompute import Replay, keeping_nothing, replays, same_modes
+from meshpipe.runtime.step.recompute import Replay, keeping_nothing, recomputing, replays
 from meshpipe.runtime.step.slim import Boxes, keep_for_weights
 from meshpipe.schedule.ir import Op
 
@@ -124,7 +125,7 @@ class StageRunner:
                 # keep only the stage's inputs; backward (I, or B) runs the forward again
                 return checkpoint(
                     self._plain_call, value, args, kwargs, use_reentrant=False,
-                    context_fn=same_modes,
+                    context_fn=partial(recomputing, self.module),
                 )  # fmt: skip
             return self._plain_call(value, args, kwargs)
 
@@ -165,7 +166,9 @@ class StageRunner:
         self._saved[mb] = saved
         if self.replay and replays(then, inputs):
             saved.replay = Replay(
-                lambda: self._replayed(value, mb_inputs, target, share, mb), _device_of(self.module)
+                lambda: self._replayed(value, mb_inputs, target, share, mb),
+                _device_of(self.module),
+                self.module,
             )
             with keeping_nothing():
                 return self._forward_kept(saved, self._call(value, args, kwargs), target, share, mb)
