@@ -111,17 +111,17 @@ def token_cross_entropy(
     is aligned with the inputs (Hugging Face's ``labels``), so position ``t`` predicts
     ``target[..., t + 1]``."""
 
+    ce = nn.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing)
+    pair = TokenMean(ce)  # the sum over kept targets, and their count
+
     def loss_fn(output: Any, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
         if not isinstance(logits, torch.Tensor):
             raise TypeError(f"token_cross_entropy: no logits in a {type(output).__name__}")
         if shift:
             logits, target = logits[..., :-1, :], target[..., 1:]
-        total = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
-            reduction="sum", label_smoothing=label_smoothing,
-        )  # fmt: skip
-        return total, (target != ignore_index).sum()
+        total, count = pair(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        return total, count
 
     loss_fn.__qualname__ = loss_fn.__name__ = "token_cross_entropy"
     return loss_fn

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -136,27 +136,20 @@ def same_modes() -> tuple[contextlib.AbstractContextManager[None], _Modes]:
     return contextlib.nullcontext(), _Modes(_mode_stack())
 
 
-class _Recompute:
-    """The context of a recomputation: the forward's torch function modes, and the buffers
-    it updates put back afterwards."""
-
-    def __init__(self, modes: _Modes, kept: KeptBuffers) -> None:
-        self.modes, self.kept = modes, kept
-
-    def __enter__(self) -> None:
-        self.kept.__enter__()
-        self.modes.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.modes.__exit__(*exc)
-        self.kept.__exit__(*exc)
+@contextlib.contextmanager
+def _recompute(modes: _Modes, kept: KeptBuffers) -> Iterator[None]:
+    """A recomputation: under the forward's torch function modes, its buffers put back."""
+    with kept, modes:
+        yield
 
 
-def recomputing(module: nn.Module) -> tuple[contextlib.AbstractContextManager[None], _Recompute]:
+def recomputing(
+    module: nn.Module,
+) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
     """torch.utils.checkpoint's ``context_fn`` for ``module``: as :func:`same_modes`, and
     the buffers the recomputation updates put back (:class:`KeptBuffers`)."""
     forward, modes = same_modes()
-    return forward, _Recompute(modes, KeptBuffers(module))
+    return forward, _recompute(modes, KeptBuffers(module))
 
 
 def _mode_stack() -> list[Any]:
