@@ -1,7 +1,8 @@
 """torch's loss modules under microbatching: a mean cross entropy over padded targets gives
 the whole batch's mean (not the mean of the microbatches' means), and losses that sum or do
 not reduce are refused up front; dp replicas of a mean loss that pass different numbers of rows
-are refused (their losses would be averaged alike, not by rows). And the word on batch norm,
+are refused (their losses would be averaged alike, not by rows; where the closing runs on
+the device, as on CUDA, by the next call). And the word on batch norm,
 which microbatches change.
 
 One spawn of 2 processes (pp=2, 1f1b, 4 microbatches) runs an LM whose targets are padded
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from typing import Any
 
 import pytest
@@ -104,6 +106,11 @@ def _all() -> dict[str, Any]:
     meshpipe.Pipeline(norm, mesh, "1f1b", 4, loss_fn=nn.MSELoss())
     out["warned"] = [m for m in seen if "batch-norm" in m]
     out["uneven"] = _uneven_replicas(meshpipe.init_mesh(pp=1, dp=2))
+    os.environ["MESHPIPE_CLOSING_ON_DEVICE"] = "1"  # the CUDA closing, on the CPU
+    try:
+        out["uneven_late"] = _uneven_late(meshpipe.init_mesh(pp=1, dp=2))
+    finally:
+        del os.environ["MESHPIPE_CLOSING_ON_DEVICE"]
     out["token"] = _token_loss(mesh)
     return out
 
@@ -175,6 +182,38 @@ def _uneven_replicas(mesh: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _uneven_late(mesh: Any) -> dict[str, Any]:
+    """pp1 x dp2, the closing on the device (as on CUDA, where reading the replicas' row
+    counts at once would wait for the GPU): the uneven call returns, the next call is
+    refused on every process naming the previous one, and the call after it equals one
+    process."""
+    me = mesh.get_local_rank("dp")
+    torch.manual_seed(3)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 2, loss_fn=nn.MSELoss(), timeout=60)
+    half = slice(0, 4) if me == 0 else slice(4, 8)
+    uneven = slice(0, 3) if me == 0 else slice(3, 8)
+    out: dict[str, Any] = {"first": float(pipe.step(x[half], target=y[half]))}
+    out["uneven"] = float(pipe.step(x[uneven], target=y[uneven]))  # returns: read later
+    try:
+        pipe.step(x[half], target=y[half])
+        out["refused"] = ""
+    except PipelineError as e:
+        out["refused"] = str(e)
+    pipe.zero_grad()
+    out["again"] = float(pipe.step(x[half], target=y[half]))
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
+    ref_grads = dict(ref.named_parameters())
+    out["grad"] = max(
+        (p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters()
+    )
+    out["expected"] = float(expected)
+    return out
+
+
 def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
     for got in run_on_ranks(_all, 2, timeout=240):
         for name in _losses():
@@ -193,6 +232,10 @@ def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
         assert abs(loss - expected) < ATOL and grad < ATOL, uneven
         loss, expected, grad = got["token"]
         assert abs(loss - expected) < ATOL and grad < ATOL, got["token"]
+        late = got["uneven_late"]
+        assert "in the previous call" in late["refused"], late
+        assert abs(late["first"] - late["expected"]) < ATOL, late
+        assert abs(late["again"] - late["expected"]) < ATOL and late["grad"] < ATOL, late
 
 
 def test_exact_loss_in_one_process() -> None:

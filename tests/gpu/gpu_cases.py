@@ -136,11 +136,27 @@ def host_syncs(device: str) -> dict[str, int]:
     return {name: _syncs_in_third_step(mesh, name, 32) for name in ("1f1b", "zbv")}
 
 
-def host_syncs_dp(device: str) -> dict[str, int]:
+def host_syncs_dp(device: str) -> dict[str, Any]:
     """The same at pp=2 x dp=2 (4 processes), 1f1b, with the replica gradient sync
-    (dp="ddp", its wait a stream wait under the watchdog) and with FSDP2."""
+    (dp="ddp", its wait a stream wait under the watchdog) and with FSDP2; and ``uneven``:
+    four steps of a mean loss, the second with 3 and 5 rows on the two replicas ("ok" or
+    the error, per step; on CUDA the replicas' row counts are read by the next call)."""
     mesh = make_mesh(device, False, pp=2, dp=2)
-    return {dp: _syncs_in_third_step(mesh, "1f1b", 16, dp=dp) for dp in ("ddp", "fsdp")}
+    out: dict[str, Any] = {
+        dp: _syncs_in_third_step(mesh, "1f1b", 16, dp=dp) for dp in ("ddp", "fsdp")
+    }
+    dev, me = _dev(mesh), mesh.get_local_rank("dp")
+    pipe = meshpipe.Pipeline(blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=WAIT)
+    x, y = torch.randn(8, 16, device=dev), torch.randn(8, 16, device=dev)
+    even, uneven = slice(4 * me, 4 * me + 4), slice(0, 3) if me == 0 else slice(3, 8)
+    out["uneven"] = []
+    for rows in (even, uneven, even, even):
+        try:
+            pipe.step(x[rows], target=y[rows])
+            out["uneven"].append("ok")
+        except meshpipe.PipelineError as e:
+            out["uneven"].append(str(e))
+    return out
 
 
 def large(device: str, rows: int = 4096, width: int = 4096) -> dict[str, float]:

@@ -24,7 +24,6 @@ The verdict depends only on the gathered rows, so every process decides alike.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,8 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshpipe.errors import CommTimeoutError
-from meshpipe.runtime.failures.waits import wait_work
+from meshpipe.runtime.checks.later import HostCopy
 from meshpipe.runtime.mesh.compat import gather_single
 
 __all__ = [
@@ -227,43 +225,27 @@ class Gathered:
 
 class DeviceGather:
     """All-gathers fingerprints on the device over ``group`` (``size`` processes) without
-    waiting; :meth:`read` returns the rows on the host. On CUDA the result is copied to
-    pinned memory on a side stream, behind an event: reading after the GPU got there (the
-    steady state) waits for nothing; before, it waits (bounded) for the GPU to reach the
-    all-gather, which is queued first in its step. On CPU (a testing aid, runtime/checks/agree.py)
-    the work itself is waited for."""
+    waiting; :meth:`read` returns the rows on the host, copied there behind the all-gather
+    (runtime/checks/later.py): read after the GPU got there (the steady state) it waits for
+    nothing; before, it waits (bounded) for the GPU to reach the all-gather, which is queued
+    first in its step. On CPU (a testing aid, runtime/checks/agree.py) the work itself is
+    waited for."""
 
     def __init__(
         self, group: dist.ProcessGroup, size: int, device: torch.device, timeout: float
     ) -> None:
         self.device = device
-        self._group, self._size, self._timeout = group, size, timeout
-        self._cuda = device.type == "cuda"
-        self._host = torch.empty(size * 2 * SLOTS, dtype=torch.int64, pin_memory=self._cuda)
-        self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
-        self._event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
+        self._group, self._size = group, size
+        self._copy = HostCopy(size * 2 * SLOTS, torch.int64, device, timeout)
 
     def launch(self, fp: torch.Tensor, paths: Sequence[str], call: str) -> Gathered:
         """Start all-gathering this process's fingerprint ``fp`` (on the device)."""
         out = torch.empty(self._size * 2 * SLOTS, dtype=torch.int64, device=self.device)
         work = gather_single(out, fp, group=self._group, async_op=True)
-        if self._stream is not None and self._event is not None:
-            with torch.cuda.stream(self._stream):  # the compute stream never waits for it
-                work.wait()  # a stream wait
-                out.record_stream(self._stream)  # freed early (a refused call): kept till read
-                self._host.copy_(out, non_blocking=True)
-                self._event.record(self._stream)
+        self._copy.start(out, work)  # the compute stream never waits for it
         return Gathered(out, work, tuple(paths), call)
 
     def read(self, gathered: Gathered) -> torch.Tensor:
         """The gathered rows on the host (a copy), waiting at most the timeout."""
         what = f"the input values check of {gathered.call}"
-        if self._event is None:
-            wait_work(gathered.work, self._timeout, what)
-            return gathered.out.view(self._size, 2 * SLOTS).clone()
-        deadline = time.monotonic() + self._timeout
-        while not self._event.query():  # type: ignore[no-untyped-call]  # a query, no sync
-            if time.monotonic() > deadline:
-                raise CommTimeoutError(f"{what} not done within {self._timeout:.1f}s (device)")
-            time.sleep(1e-4)
-        return self._host.view(self._size, 2 * SLOTS).clone()
+        return self._copy.read(what).view(self._size, 2 * SLOTS)

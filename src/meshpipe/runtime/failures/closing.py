@@ -14,17 +14,21 @@ Python floats, one exchange into receives posted once the call's gate passed,
 RemoteStageError; the peers' end markers are read after this collective (Comm.end), so
 they cost no round trip. On
 CUDA reading it would make the host wait for the GPU in every step, so failed processes do
-not join there; the others' bounded waits (the watchdog) end the step instead.
+not join there; the others' bounded waits (the watchdog) end the step instead, and the dp
+replicas' row counts (a mean loss over replicas of different sizes is refused) are read by
+the next call (:class:`RowsLater`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
+from meshpipe.runtime.checks.later import HostCopy
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.runtime.step.stage import LossRecord
@@ -46,6 +50,7 @@ __all__ = [
     "join_failed",
     "reads_closing",
     "reduce_loss_host",
+    "RowsLater",
     "uneven_rows",
 ]
 
@@ -54,8 +59,9 @@ CLOSING_NUMBERS = 6  # loss sum, count sum, pairs, failures, rows, rows squared
 
 
 def reads_closing(device: torch.device) -> bool:
-    """Whether the closing collective's flag is read (and joined by failed processes)."""
-    return device.type == "cpu"
+    """Whether the closing collective's flag is read (and joined by failed processes): on
+    CPU, unless ``MESHPIPE_CLOSING_ON_DEVICE=1`` (a testing aid: the CUDA path on CPU)."""
+    return device.type == "cpu" and os.environ.get("MESHPIPE_CLOSING_ON_DEVICE", "") != "1"
 
 
 def join_failed(
@@ -180,23 +186,56 @@ def _local_numbers(
     return buf
 
 
-def uneven_rows(rows: float, squares: float, replicas: int) -> str:
+def uneven_rows(rows: float, squares: float, replicas: int, late: bool = False) -> str:
     """Why a mean loss cannot be averaged over ``replicas`` dp replicas whose rows sum to
     ``rows`` and their squares to ``squares`` (all equal exactly when ``replicas x
     squares == rows ** 2``; exact in float64 for any realistic count), or "". The mean of
     the replicas' means weights every replica alike; one process on the whole batch
-    weights every row alike."""
+    weights every row alike. ``late``: found by the next call (:class:`RowsLater`)."""
     if replicas <= 1 or rows <= 0 or replicas * squares == rows * rows:
         return ""
-    return (
-        f"the {replicas} data-parallel replicas passed different numbers of rows in this call "
-        f"({int(rows)} in all, {rows / replicas:g} on average): with a loss_fn returning a "
-        "mean, the step would average the replicas' losses and gradients alike, not weight "
-        "them by their rows as one process on the whole batch does. Give every replica the "
-        "same number of rows, or return a (sum, count) pair from loss_fn (exact for any "
-        "split). Nothing of this call was applied: its gradients were dropped, .grad is as "
+    which = "the previous call" if late else "this call"
+    outcome = (
+        "That call's loss and gradients are the replicas' plain average (found at the start "
+        "of this call: on the GPU the closing's numbers are read one call later, so that no "
+        "step waits for the GPU); discard that step's update"
+        if late
+        else "Nothing of this call was applied: its gradients were dropped, .grad is as "
         "before the call"
     )
+    return (
+        f"the {replicas} data-parallel replicas passed different numbers of rows in {which} "
+        f"({int(rows)} in all, {rows / replicas:g} on average): with a loss_fn returning a "
+        "mean, the step averages the replicas' losses and gradients alike, not weighted by "
+        "their rows as one process on the whole batch does. Give every replica the same "
+        "number of rows, or return a (sum, count) pair from loss_fn (exact for any split). "
+        f"{outcome}"
+    )
+
+
+class RowsLater:
+    """The dp replicas' row counts of a call closed on the device (reduce_loss's ``rows``),
+    copied for the host behind the closing (runtime/checks/later.py) and checked by the next
+    call, on every process alike (every process holds the same sums)."""
+
+    def __init__(self, replicas: int, device: torch.device, timeout: float) -> None:
+        self._replicas = replicas
+        self._copy = HostCopy(2, torch.float64, device, timeout)
+        self._pending = False
+
+    def start(self, rows: torch.Tensor) -> None:
+        """Copy a closed call's ``rows`` (summed rows, summed squares) for the next call."""
+        self._copy.start(rows)
+        self._pending = True
+
+    def check(self) -> str:
+        """Why the last closed call's replicas could not be averaged (:func:`uneven_rows`),
+        or ""; each closed call is checked once."""
+        if not self._pending:
+            return ""
+        self._pending = False
+        rows, squares = self._copy.read("the previous call's row counts").tolist()
+        return uneven_rows(rows, squares, self._replicas, late=True)
 
 
 def _divide(a: float, b: float) -> float:

@@ -20,6 +20,7 @@ from meshpipe.groups import retire, shared
 from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck, CallSpec
 from meshpipe.runtime.failures.closing import (
+    RowsLater,
     closing_ahead,
     closing_tag,
     failed_elsewhere,
@@ -107,6 +108,11 @@ class StepDriver:
         # its tag: counted over all the Pipeline's processes (its dp peers share no pp group)
         _, serial = shared(("closing", processes(topo, mesh)), lambda: None)
         self.closing_tag = closing_tag(serial)
+        # closed on the device: the dp replicas' row counts, checked by the next call
+        self.rows_later: RowsLater | None = None
+        on_device = not reads_closing(topo.device)
+        if on_device and topo.dp_size > 1 and not topo.stage_meshes:
+            self.rows_later = RowsLater(topo.dp_size, topo.device, timeout)
 
     def check_call(
         self, spec: CallSpec, modes: tuple[bool, bool], has_loss: bool, split_pending: bool
@@ -121,6 +127,10 @@ class StepDriver:
                 "of step with the other ranks' (after a timeout gloo closes the connections), "
                 "so restart the job (or build a new Pipeline on a new process group)"
             )
+        late = self.rows_later
+        why = "" if late is None else late.check()
+        if why:  # the same numbers on every process: refused everywhere, before any transfer
+            raise PipelineError(why)
         mode, training = modes
         gate = self.calls.start(spec, mode, training, has_loss)
         if split_pending:
@@ -312,7 +322,8 @@ class StepDriver:
         any process raised here, else the peers' end markers read (``stop_if_failed``).
         On a CPU mesh, dp replicas of a mean loss that held different numbers of rows are
         refused here, after the end markers are read, on every process alike
-        (failures/closing.py, ``uneven_rows``); on CUDA that would read the device."""
+        (failures/closing.py, ``uneven_rows``); on CUDA by the next call (``RowsLater``):
+        reading them here would wait for the GPU."""
         topo = self.topology
         if reads_closing(topo.device):
             rows = sum(self.inputs.whole_rows)
@@ -328,11 +339,14 @@ class StepDriver:
                 err.meshpipe_refusal = True  # type: ignore[attr-defined]
                 raise err
             return loss, scale
-        loss_t, scale_t, failures_t = reduce_loss(
+        loss_t, scale_t, failures_t, rows_t = reduce_loss(
             records, contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
+            rows=sum(self.inputs.whole_rows),
         )  # fmt: skip
         self.stop_if_failed(failures_t)
+        if self.rows_later is not None:
+            self.rows_later.start(rows_t)
         return loss_t, scale_t
 
     def reduce_failed(self, e: BaseException) -> BaseException:

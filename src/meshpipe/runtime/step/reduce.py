@@ -30,9 +30,13 @@ def reduce_loss(
     watchdog: Watchdog | None = None,
     stage_meshes: bool = False,
     failed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, gradient scale, failures) as 0-dim float64 tensors on ``device``, equal on
-    every rank, nothing read on the host. ``failures`` counts the processes that joined
+    rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, gradient scale, failures, rows) as float64 tensors on ``device``, equal on
+    every rank, nothing read on the host. ``rows`` (2 numbers): the dp replicas' rows in
+    the call and their squares, each summed, for a mean loss (``rows`` is this process's
+    replica's, counted by its last stage; failures/closing.py's ``uneven_rows`` reads
+    them, one call later on CUDA). ``failures`` counts the processes that joined
     with ``failed=True`` (a process whose step failed joins this closing collective
     instead of the rest of the step, so that every rank learns of it: see Pipeline, CPU
     meshes; there runtime/failures/closing.py's ``reduce_loss_host`` computes the same on
@@ -47,7 +51,7 @@ def reduce_loss(
     their share of it: the processes passing ``holds_last_stage`` (the last stage's mesh, tp
     coordinate 0) are summed over ``pp_group`` (the world); no averaging over dp.
     """
-    buf = torch.zeros(4, dtype=torch.float64, device=device)
+    buf = torch.zeros(6, dtype=torch.float64, device=device)
     if failed:
         buf[3] = 1.0
     elif holds_last_stage and records:
@@ -63,12 +67,14 @@ def reduce_loss(
         if counts:
             buf[1] = torch.stack([c.to(device) for c in counts]).sum()
             buf[2] = 1.0
+        else:  # host numbers into a device tensor: a fill, no wait
+            buf[4], buf[5] = float(rows), float(rows) ** 2
     dp_size = _share(buf, "loss", pp_group, dp_group, stage_meshes, timeout, watchdog)
     # read nothing on the host: a total count of 0 gives inf/nan, as in plain PyTorch
     is_pair = buf[2] > 0.5 * dp_size  # stage meshes: one 1 per contributing process
     loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
     scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
-    return loss, scale, buf[3]
+    return loss, scale, buf[3], buf[4:]
 
 
 def _broadcast_names(
