@@ -247,21 +247,44 @@ def test_a_parameter_no_replica_uses_keeps_no_gradient(
         assert got["gap"] <= ATOL, (rank, got)
 
 
-def test_a_bucket_off_the_cpu_reads_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The flags are read from CPU buckets only: elsewhere (a meta bucket stands for CUDA
-    here) reading them would make the host wait; every parameter gets its slice."""
+def test_a_bucket_off_the_cpu_reads_its_flags_only_for_missing_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off the CPU (a meta bucket stands for CUDA here) the flags are read only where this
+    process had a parameter without a gradient (as DDP's find_unused_parameters waits):
+    with every gradient there, nothing is read and every parameter gets its slice; with
+    one missing, the flags say whether any replica used it. Nothing is copied from the
+    host to build them (on CUDA that copy would wait for the GPU)."""
     from meshpipe.parallel.buckets import Bucket
 
+    reads: list[str] = []
+    flags: list[list[float]] = []
+
+    def read(self: torch.Tensor) -> Any:
+        reads.append(str(self.device))
+        return flags.pop()
+
+    made = torch.tensor
+
+    def no_copy(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if str(kwargs.get("device", "cpu")) != "cpu":
+            raise AssertionError(f"a tensor copied from the host to {kwargs['device']}")
+        return made(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", no_copy)
+    monkeypatch.setattr(torch.Tensor, "tolist", read)
     params = [nn.Parameter(torch.empty(3, device="meta")) for _ in range(2)]
-    params[0].grad = torch.empty(3, device="meta")  # params[1] unused
-    bucket = Bucket(params)
-
-    def refuse(self: torch.Tensor) -> Any:
-        raise AssertionError("a host read")
-
-    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
-    bucket.point_back()
-    assert all(p.grad is not None and p.grad.shape == (3,) for p in params)
+    for p in params:
+        p.grad = torch.empty(3, device="meta")
+    Bucket(params).point_back()
+    assert reads == [] and all(p.grad is not None and p.grad.shape == (3,) for p in params)
+    params[1].grad = None  # unused here: another replica used it, then none did
+    for summed in ([2.0, 1.0], [2.0, 0.0]):
+        flags.append(summed)
+        params[1].grad = None
+        Bucket(params).point_back()
+        assert reads[-1] == "meta", reads
+        assert (params[1].grad is None) == (summed[1] == 0.0), summed
 
 
 def test_odd_tensors_are_copied_exactly_in_small_buckets(four: list[dict[str, Any]]) -> None:

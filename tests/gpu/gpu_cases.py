@@ -137,13 +137,14 @@ def host_syncs(device: str) -> dict[str, int]:
 
 
 def host_syncs_dp(device: str) -> dict[str, Any]:
-    """The same at pp=2 x dp=2 (4 processes), 1f1b, with the replica gradient sync
-    (dp="ddp", its wait a stream wait under the watchdog) and with FSDP2; and ``uneven``:
+    """The same at pp=2 x dp=2 (4 processes), 1f1b, with meshpipe's own gradient
+    reduction (dp=None: its buckets), with the replica gradient sync (dp="ddp", its wait a
+    stream wait under the watchdog) and with FSDP2; and ``uneven``:
     four steps of a mean loss, the second with 3 and 5 rows on the two replicas ("ok" or
     the error, per step; on CUDA the replicas' row counts are read by the next call)."""
     mesh = make_mesh(device, False, pp=2, dp=2)
     out: dict[str, Any] = {
-        dp: _syncs_in_third_step(mesh, "1f1b", 16, dp=dp) for dp in ("ddp", "fsdp")
+        str(dp): _syncs_in_third_step(mesh, "1f1b", 16, dp=dp) for dp in (None, "ddp", "fsdp")
     }
     dev, me = _dev(mesh), mesh.get_local_rank("dp")
     pipe = meshpipe.Pipeline(blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=WAIT)
