@@ -249,7 +249,7 @@ def _token_mean(mesh: Any, dev: torch.device) -> dict[str, float]:
     ce = nn.CrossEntropyLoss()
     pipe = meshpipe.Pipeline(net, mesh, "1f1b", 4, loss_fn=ce, timeout=WAIT)
     loss = pipe.step(x, target=y)
-    gap = abs(float(loss) - float(ce(ref(x), y)))
+    gap = abs(float(loss) - float(ce(ref(x), y).detach()))
     pipe.step(x, target=y)
     return {"token_loss": gap, "token_syncs": float(_syncs_in_step(pipe, dev, x, y))}
 
