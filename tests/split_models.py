@@ -57,6 +57,29 @@ def llama(num_layers: int = 4) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def gemma3(num_layers: int = 4) -> nn.Module:
+    """Gemma 3's text model: sliding-window and full attention layers, each kind with a
+    rotary embedding the model asks for by name (a string argument), tied embeddings."""
+    quiet_transformers()
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        num_hidden_layers=num_layers,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        vocab_size=VOCAB,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return Gemma3ForCausalLM(cfg)
+
+
 def tokens(batch: int = 8, seq: int = 10, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Input ids, an attention mask with left padding, and next-token targets."""
     g = torch.Generator().manual_seed(seed)

@@ -105,7 +105,7 @@ def split_exported(
                 torch.Tensor, lambda t: t.to(device), static_example
             )
     units = choose_units(model, points)
-    ep, guards = export_model(model, args, kwargs, static_example, units)
+    ep, guards, units = export_model(model, args, kwargs, static_example, units)
     folded = fold_units(ep, units)
     log.info("stages call %d of %d submodules as modules", len(folded), len(units))
     graphs = plan_stages(ep, points, folded)

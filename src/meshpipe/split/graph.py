@@ -87,6 +87,10 @@ def _dynamic_shapes(
 Example = tuple[tuple[Any, ...], dict[str, Any]]
 
 
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
 @contextmanager
 def _no_cache(model: nn.Module) -> Iterator[None]:
     """Hugging Face models trace with their KV cache off (``config.use_cache``): a training
@@ -111,44 +115,59 @@ def export_model(
     kwargs: dict[str, Any],
     static_example: Example | None = None,
     units: Sequence[str] = (),
-) -> tuple[ExportedProgram, GuardLog]:
+) -> tuple[ExportedProgram, GuardLog, list[str]]:
     """``torch.export`` the model (non-strict, every input dim dynamic where it can be),
-    keeping the call signatures of ``units`` (see split/units.py); returns the program and
-    the log of the shape guards recorded outside the units.
+    keeping the call signatures of ``units`` (see split/units.py); returns the program, the
+    log of the shape guards recorded outside the units, and the units kept.
 
     If that fails, exports with static shapes on ``static_example`` (default: the same
-    inputs); later calls must then have those shapes. Raises SplitError naming the
-    construct that failed, with the other routes to take.
+    inputs); later calls must then have those shapes. If both fail, tries again keeping
+    only the units that hold parameters: torch.export cannot keep the signature of some
+    calls (Gemma 3's rotary embedding, called once per attention kind with the kind's
+    name as a string), and a unit without parameters may as well run inside the graph.
+    Raises SplitError naming the construct that failed, with the other routes to take.
     """
     dynamic = _dynamic_shapes(model, args, kwargs)
     tries: list[tuple[Any, Example]] = [(None, static_example or (args, kwargs))]
     if dynamic is not None:
         tries.insert(0, (dynamic, (args, kwargs)))
+    with_params = [u for u in units if _has_params(model.get_submodule(u))]
+    unit_sets = [list(units)] + ([with_params] if len(with_params) < len(units) else [])
     errors: list[BaseException] = []
-    for shapes, (a, kw) in tries:
-        guards = GuardLog()
-        try:
-            with guards.watching(model, units), _no_cache(model):
-                ep = torch.export.export(
-                    model,
-                    tuple(a),
-                    dict(kw),
-                    dynamic_shapes=shapes,
-                    strict=False,
-                    preserve_module_call_signature=tuple(units),
+    for kept in unit_sets:
+        for shapes, (a, kw) in tries:
+            guards = GuardLog()
+            try:
+                with guards.watching(model, kept), _no_cache(model):
+                    ep = torch.export.export(
+                        model,
+                        tuple(a),
+                        dict(kw),
+                        dynamic_shapes=shapes,
+                        strict=False,
+                        preserve_module_call_signature=tuple(kept),
+                    )
+            except Exception as e:  # export raises many types; all mean the same thing here
+                errors.append(e)
+                log.debug("torch.export with dynamic_shapes=%s failed: %s", shapes, e)
+                continue
+            if kept is not unit_sets[0]:
+                dropped = [u for u in units if u not in kept]
+                log.warning(
+                    "exported %s with the calls of %s traced into the graph (keeping their "
+                    "signatures failed: %s)",
+                    type(model).__name__,
+                    ", ".join(dropped),
+                    errors[0],
                 )
-        except Exception as e:  # export raises many types; all mean the same thing here
-            errors.append(e)
-            log.debug("torch.export with dynamic_shapes=%s failed: %s", shapes, e)
-            continue
-        if shapes is None and dynamic is not None:
-            log.warning(
-                "exported %s with static shapes (dynamic shapes failed: %s); inputs must keep "
-                "the example's shapes",
-                type(model).__name__,
-                errors[0],
-            )
-        return ep, guards
+            if shapes is None and dynamic is not None:
+                log.warning(
+                    "exported %s with static shapes (dynamic shapes failed: %s); inputs must "
+                    "keep the example's shapes",
+                    type(model).__name__,
+                    errors[0],
+                )
+            return ep, guards, kept
     first = errors[0]
     detail = str(first).strip().splitlines()
     summary = detail[0] if detail else type(first).__name__
