@@ -112,14 +112,68 @@ def _llama_tp(mesh: Any) -> dict[str, Any]:
     return res
 
 
+def _tied_tp(mesh: Any, whole_mesh: Any) -> dict[str, Any]:
+    """Llama with its head tied to the embeddings (as Gemma's are) under tp: the declared
+    plan shards the head ("colwise_gather_output") but not the embedding, so the copies
+    would be laid out differently. "auto" leaves the head whole (on another stage than the
+    embedding, pp2 x tp2; on the same stage, pp1 x dp2 x tp2); an explicit plan sharding
+    only the head is refused."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    import split_models as sm
+
+    from parity import dp_batch
+
+    out: dict[str, Any] = {}
+    for case, m, plan in (("across", mesh, "auto"), ("within", whole_mesh, "auto"),
+                          ("explicit", mesh, {"lm_head": ColwiseParallel()})):  # fmt: skip
+        torch.manual_seed(0)
+        model = sm.llama(num_layers=4)
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        ref = copy.deepcopy(model)
+        points = ["model.layers.2"] if m is mesh else []
+        part = None if m is mesh else (lambda t, m=m: dp_batch(t, m))
+        try:
+            pipe = meshpipe.Pipeline(
+                model, m, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan=plan, split_points=points
+            )
+            gaps = _train(pipe, ref, sm.lm_loss, _lm_batches(), part)
+        except meshpipe.PipelineError as e:
+            out[case] = str(e)
+            continue
+        head = [n for s in pipe.stages for n, mod in s.named_modules() if n == "lm_head"]
+        whole = [not isinstance(s.get_submodule(n).weight, DTensor) for s in pipe.stages
+                 for n in head]  # fmt: skip
+        out[case] = {**gaps, "head_whole": all(whole), "heads": len(head)}
+    return out
+
+
 def _llama_worker() -> dict[str, Any]:
     torch.set_num_threads(1)
-    return _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
+    res = _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
+    res["tied"] = _tied_tp(meshpipe.init_mesh(pp=2, tp=2), meshpipe.init_mesh(pp=1, dp=2, tp=2))
+    return res
 
 
 @cache
 def _llama_results() -> list[dict[str, Any]]:
     return run_on_ranks(_llama_worker, 4, timeout=240.0)
+
+
+def test_tied_head_and_embedding_laid_out_alike_under_tp() -> None:
+    for rank, res in enumerate(_llama_results()):
+        tied = res["tied"]
+        for case in ("across", "within"):
+            r = tied[case]
+            assert isinstance(r, dict), (rank, case, r)
+            assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
+            assert r["head_whole"], (rank, case, r)  # the declared head style left out
+        assert tied["within"]["heads"] == 1, (rank, tied)
+        assert tied["across"]["heads"] == (1 if rank >= 2 else 0), (rank, tied)
+        assert "laid out differently over tp" in tied["explicit"], (rank, tied)
+        assert "'lm_head' sharded on dim 0 over tp=2" in tied["explicit"], (rank, tied)
 
 
 @pytest.mark.parametrize("case", ["auto", "explicit", "loss_parallel", "sequence_parallel"])

@@ -3,7 +3,7 @@ torch's parallelize_module on the tp sub-mesh, checked on every rank before any 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from fnmatch import fnmatchcase
 
 from torch import nn
@@ -104,8 +104,14 @@ def check_tp_plan(
             )
 
 
-def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, ParallelStyle]) -> None:
-    """Parallelise the matching submodules of one stage over ``tp_mesh`` (in place)."""
-    plan = resolve_plan(module, tp_plan)
+def apply_tp(
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    tp_plan: Mapping[str, ParallelStyle],
+    skip: Collection[str] = (),
+) -> None:
+    """Parallelise the matching submodules of one stage over ``tp_mesh`` (in place), but
+    those named in ``skip``."""
+    plan = {k: v for k, v in resolve_plan(module, tp_plan).items() if k not in skip}
     if plan:
         parallelize_module(module, tp_mesh, plan)

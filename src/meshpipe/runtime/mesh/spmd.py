@@ -5,6 +5,7 @@ backward."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,11 +24,15 @@ from meshpipe.parallel import (
 from meshpipe.parallel.ep import EpStats, apply_ep, check_ep_plan
 from meshpipe.parallel.fsdp_plan import plan_fsdp
 from meshpipe.parallel.replicas import broadcast_replicas
+from meshpipe.parallel.tied_tp import shared_within, tied_mismatches
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.schedule.ir import Action, Op, Schedule
+from meshpipe.split.tied import find_tied
 
 __all__ = ["Spmd", "DP_MODES"]
+
+log = logging.getLogger(__name__)
 
 DP_MODES = (None, "ddp", "fsdp", "hsdp")
 SHARDED = ("fsdp", "hsdp")  # the modes FSDP2 runs
@@ -55,6 +60,7 @@ class Spmd:
         mp_policy: Any | None,
         reshard_gap: int | None = 2,
         ep_plan: Sequence[str] | None = None,
+        auto_plan: bool = False,
     ) -> None:
         if dp not in DP_MODES:
             raise PipelineError(f"dp must be one of {DP_MODES}, got {dp!r}")
@@ -65,6 +71,8 @@ class Spmd:
         )
         self._tp_sizes = sorted(t for t in tp_sizes if t > 1)
         self._plan_to_check = tp_plan
+        self._auto_plan = auto_plan  # tp_plan="auto": the model's declared plan, translated
+        self._tp_skip: dict[int, set[str]] = {}  # stage -> modules left whole (tied copies)
         if tp_plan is not None and topo.tp_size == 1:
             tp_plan = None  # a tp axis of size 1: nothing to split
         if self._plan_to_check is None and self._tp_sizes:
@@ -135,10 +143,51 @@ class Spmd:
                 for s in range(len(all_stages))
             ]
             check_tp_plan(all_stages, self._plan_to_check, tp, applies)  # type: ignore[arg-type]
+        if self._plan_to_check is not None:
+            self._check_tied(all_stages, placement)
         eps = self.topo.ep_sizes
         if self.ep_plan is not None:  # checked at ep=1 too: a wrong pattern fails now
             per_stage = [eps[placement[s]] if eps else 1 for s in range(len(all_stages))]
             check_ep_plan(all_stages, self.ep_plan, per_stage)
+
+    def _check_tied(self, all_stages: Sequence[nn.Module], placement: Sequence[int]) -> None:
+        """Copies of a tied parameter laid out differently by the tp plan (a sharded head
+        tied to a whole embedding): the model's own plan ("auto") leaves the sharded copies
+        whole, with a warning; an explicit plan is refused, on every rank alike."""
+        lay, plan = self.topo.layout, self._plan_to_check
+        tied = find_tied(all_stages)
+        across = {(s, name) for where in tied for s, name in where.items()}
+        tied += [w for w in shared_within(all_stages) if next(iter(w.items())) not in across]
+        if plan is None or not tied:
+            return
+        tps = [
+            lay.shape(placement[s])[1] if lay.stage_meshes else self.topo.tp_size
+            for s in range(len(all_stages))
+        ]
+        bad = tied_mismatches(all_stages, plan, tied, tps)
+        if not bad:
+            return
+        said = "; ".join(
+            f"{first!r}: " + ", ".join(f"stage {s} {path!r} {how}" for s, path, how in copies)
+            for first, copies in bad
+        )
+        if not self._auto_plan:
+            raise PipelineError(
+                "tied parameters would be laid out differently over tp on the stages holding "
+                f"them ({said}), so their gradients could not be summed: give every copy the "
+                "same sharding (e.g. the embedding RowwiseParallel with the head "
+                "ColwiseParallel) or none (leave the head out of tp_plan)"
+            )
+        for _first, copies in bad:
+            for s, path, how in copies:
+                if not how.startswith("whole"):
+                    self._tp_skip.setdefault(s, set()).add(path)
+        log.warning(
+            "tp_plan='auto': tied parameters laid out differently over tp on the stages "
+            "holding them (%s); their sharded copies stay whole: %s",
+            said,
+            {s: sorted(p) for s, p in self._tp_skip.items()},
+        )
 
     def wrap(self, stage: int, module: nn.Module, timeout: float = 300.0) -> nn.Module:
         """Apply TP, make the dp replicas equal (replica 0's parameters and buffers, over
@@ -146,7 +195,7 @@ class Spmd:
         replica sync, to one local stage module."""
         topo = self.topo
         if self.tp_plan is not None and topo.tp_mesh is not None:
-            apply_tp(module, topo.tp_mesh, self.tp_plan)
+            apply_tp(module, topo.tp_mesh, self.tp_plan, self._tp_skip.get(stage, ()))
         if topo.dp_group is not None:
             broadcast_replicas(
                 module, topo.dp_group, stage, topo.device,

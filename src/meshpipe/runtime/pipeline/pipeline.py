@@ -142,7 +142,8 @@ class Pipeline(PipelineViews):
         self._cp = context_parallel(
             model, topo, cp_seq_dims, self._compile is not None, float(timeout)
         )
-        self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap, experts)  # type: ignore[arg-type]
+        auto = tp_plan == "auto"  # the model's declared plan: tied copies may be left whole
+        self._spmd = Spmd(topo, dp, plan, mp_policy, fsdp_reshard_gap, experts, auto)  # type: ignore[arg-type]
         self.loss_fn, self._loss_use = loss_fn, target_use(loss_fn)  # see step()'s check
         self.chunk_spec = chunk_spec
         self.timeout = float(timeout)
