@@ -91,12 +91,15 @@ def tied_mismatches(
     tp_plan: Mapping[str, ParallelStyle],
     tied: Sequence[Mapping[int, str]],
     tp_of_stage: Sequence[int],
+    sharded_ok: bool = True,
 ) -> list[tuple[str, list[tuple[int, str, str]]]]:
     """The tied parameters (``tied``: per parameter, stage -> its name there, split/tied.py)
     whose copies ``tp_plan`` lays out differently (``tp_of_stage``: the tp size of each
     stage's mesh; 1 where the plan does not apply), or whose holders on one stage it lays
-    out differently (a sharded head holding the embedding's weight): per such parameter,
-    its first name and (stage, module, how the plan lays it out there) for each holder."""
+    out differently (a sharded head holding the embedding's weight), or, without
+    ``sharded_ok`` (stage meshes, whose tied copies are summed whole), shards at all: per
+    such parameter, its first name and (stage, module, how the plan lays it out there) for
+    each holder."""
     plans = [resolve_plan(stage, tp_plan) for stage in stages]
     out: list[tuple[str, list[tuple[int, str, str]]]] = []
     for where in tied:
@@ -106,7 +109,8 @@ def tied_mismatches(
                 module = stages[s].get_submodule(path)
                 style = plans[s].get(path)
                 holders.append((s, path, param_layout(module, attr, style, tp_of_stage[s])))
-        if len({layout for _, _, layout in holders}) > 1:
+        layouts = {layout for _, _, layout in holders}
+        if len(layouts) > 1 or (not sharded_ok and layouts != {REPLICATED}):
             first = where[min(where)]
             out.append((first, [(s, path, _text(layout)) for s, path, layout in holders]))
     return out

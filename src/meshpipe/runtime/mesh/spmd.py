@@ -152,8 +152,9 @@ class Spmd:
 
     def _check_tied(self, all_stages: Sequence[nn.Module], placement: Sequence[int]) -> None:
         """Copies of a tied parameter laid out differently by the tp plan (a sharded head
-        tied to a whole embedding): the model's own plan ("auto") leaves the sharded copies
-        whole, with a warning; an explicit plan is refused, on every rank alike."""
+        tied to a whole embedding; with stage meshes, sharded at all): the model's own plan
+        ("auto") leaves the sharded copies whole, with a warning; an explicit plan is
+        refused, on every rank alike."""
         lay, plan = self.topo.layout, self._plan_to_check
         tied = find_tied(all_stages)
         across = {(s, name) for where in tied for s, name in where.items()}
@@ -164,7 +165,7 @@ class Spmd:
             lay.shape(placement[s])[1] if lay.stage_meshes else self.topo.tp_size
             for s in range(len(all_stages))
         ]
-        bad = tied_mismatches(all_stages, plan, tied, tps)
+        bad = tied_mismatches(all_stages, plan, tied, tps, sharded_ok=not lay.stage_meshes)
         if not bad:
             return
         said = "; ".join(
@@ -174,7 +175,8 @@ class Spmd:
         if not self._auto_plan:
             raise PipelineError(
                 "tied parameters would be laid out differently over tp on the stages holding "
-                f"them ({said}), so their gradients could not be summed: give every copy the "
+                f"them, or sharded across stage meshes, whose copies are summed whole ({said}), "
+                "so their gradients could not be summed: give every copy the "
                 "same sharding (e.g. the embedding RowwiseParallel with the head "
                 "ColwiseParallel) or none (leave the head out of tp_plan)"
             )
