@@ -57,6 +57,28 @@ def llama(num_layers: int = 4) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def qwen3(num_layers: int = 4) -> nn.Module:
+    """Qwen 3: per-head query and key norms after the projections (its declared tp plan
+    gives them "replicated_with_grad_allreduce")."""
+    quiet_transformers()
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        num_hidden_layers=num_layers,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return Qwen3ForCausalLM(cfg)
+
+
 def gemma3(num_layers: int = 4) -> nn.Module:
     """Gemma 3's text model: sliding-window and full attention layers, each kind with a
     rotary embedding the model asks for by name (a string argument), tied embeddings."""

@@ -150,9 +150,39 @@ def _tied_tp(mesh: Any, whole_mesh: Any) -> dict[str, Any]:
     return out
 
 
+def _qwen3_tp(mesh: Any) -> dict[str, Any]:
+    """Qwen 3 with tp_plan="auto": its per-head q/k norms ("replicated_with_grad_allreduce")
+    keep their weights whole on each tp rank, each rank normalising its own heads, and the
+    weights' gradients summed over tp; 3 AdamW steps against one process."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = sm.qwen3()
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan="auto", split_points=["model.layers.2"]
+    )
+    gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
+    (ids,), kwargs, target = _lm_batches()[0]
+    pipe.step(ids, target=target, **kwargs)  # the gradients' layout after a step
+    norms = [
+        p for n, p in pipe.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))
+    ]
+    whole = all(
+        isinstance(p, DTensor)
+        and p.placements == (Replicate(),)
+        and p.grad.placements == (Replicate(),)
+        for p in norms
+    )
+    return {**gaps, "norms": len(norms), "norms_whole": whole}
+
+
 def _llama_worker() -> dict[str, Any]:
     torch.set_num_threads(1)
     res = _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
+    res["qwen3"] = _qwen3_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["tied"] = _tied_tp(meshpipe.init_mesh(pp=2, tp=2), meshpipe.init_mesh(pp=1, dp=2, tp=2))
     return res
 
@@ -160,6 +190,13 @@ def _llama_worker() -> dict[str, Any]:
 @cache
 def _llama_results() -> list[dict[str, Any]]:
     return run_on_ranks(_llama_worker, 4, timeout=240.0)
+
+
+def test_qwen3_per_head_norms_under_tp_match_one_process() -> None:
+    for rank, res in enumerate(_llama_results()):
+        r = res["qwen3"]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
+        assert r["norms"] == 4 and r["norms_whole"], (rank, r)  # q and k norm of 2 layers
 
 
 def test_tied_head_and_embedding_laid_out_alike_under_tp() -> None:

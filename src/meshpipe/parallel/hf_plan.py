@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshpipe.errors import PipelineError
+from meshpipe.parallel.replicated import ReplicatedGradSum
 
 __all__ = ["auto_ep_plan", "auto_tp_plan", "HF_STYLES"]
 
@@ -28,7 +29,13 @@ HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_rep": RowwiseParallel,
+    # a whole input (after a gathered colwise layer) cut on its last dim first (a slice)
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # an embedding sharded over the vocabulary: the token ids whole on every tp rank
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "sequence_parallel": SequenceParallel,
+    # per-head norms after a colwise projection (Qwen 3, Gemma 3): parallel/replicated.py
+    "replicated_with_grad_allreduce": ReplicatedGradSum,
 }
 
 

@@ -22,7 +22,7 @@ __all__ = ["param_layout", "shared_within", "tied_mismatches"]
 
 Layout = tuple[Any, ...]
 REPLICATED: Layout = ("replicated",)
-_WHOLE = ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput")
+_WHOLE = ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ReplicatedGradSum")
 
 
 def param_layout(module: nn.Module, attr: str, style: ParallelStyle | None, tp: int) -> Layout:
