@@ -10,6 +10,7 @@ One spawn per layout; each test checks its own figures.
 from __future__ import annotations
 
 import copy
+import logging
 from functools import cache
 from typing import Any
 
@@ -447,10 +448,11 @@ def _gemma3(mesh: Any) -> dict[str, Any]:
     return _train(pipe, ref, loss_fn, _lm_batches())
 
 
-def _gpt2_padded(mesh: Any) -> tuple[float, float]:
+def _gpt2_padded(mesh: Any) -> tuple[float, float, int]:
     """GPT-2 (tied, whole: split where Pipeline chooses) on left-padded rows whose padding
     falls unevenly into the microbatches, with meshpipe.token_cross_entropy(shift=True):
-    (|loss - Hugging Face's own loss with those labels|, worst gradient difference)."""
+    (|loss - Hugging Face's own loss with those labels|, worst gradient difference, how
+    many warnings said that the model's own labels= loss would not be exact)."""
     import split_models as sm
 
     torch.manual_seed(0)
@@ -464,20 +466,30 @@ def _gpt2_padded(mesh: Any) -> tuple[float, float]:
     labels = ids.masked_fill(mask == 0, -100)
     loss_fn = meshpipe.token_cross_entropy(shift=True)
     pipe = meshpipe.Pipeline(model, mesh, "1f1b", 4, loss_fn=loss_fn)
-    loss = pipe.step(ids, target=labels, attention_mask=mask)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("meshpipe").addHandler(handler)
+    # labels= too: the model's own (per-microbatch) loss is computed and unused, and the
+    # first call warns that out.loss would not be exact
+    loss = pipe.step(ids, target=labels, attention_mask=mask, labels=labels)
+    pipe.zero_grad()
+    loss = pipe.step(ids, target=labels, attention_mask=mask, labels=labels)  # no 2nd warning
+    logging.getLogger("meshpipe").removeHandler(handler)
+    warned = [m for m in seen if "labels= with ignored positions" in m]
     expected = ref(ids, attention_mask=mask, labels=labels).loss  # mean over kept tokens
     expected.backward()
     ref_params = dict(ref.named_parameters())
     grad = max((p.grad - ref_params[n].grad).abs().max().item() for n, p in pipe.named_parameters())
-    return abs(loss.item() - expected.item()), grad
+    return abs(loss.item() - expected.item()), grad, len(warned)
 
 
 def test_custom_model_with_a_shape_branch_and_buffers_matches_one_process() -> None:
     results = run_on_ranks(_custom, 2, timeout=180.0)
     for rank, r in enumerate(results):
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < ATOL, (rank, r)
-        loss_gap, grad_gap = r["padded"]  # GPT-2, padded labels, token_cross_entropy
-        assert loss_gap < ATOL and grad_gap < ATOL, (rank, r)
+        loss_gap, grad_gap, warned = r["padded"]  # GPT-2, padded labels, token_cross_entropy
+        assert loss_gap < ATOL and grad_gap < ATOL and warned == 1, (rank, r)
         assert "[2, 16, 8]" in r["refused"] and "traced at [8, 8, 8]" in r["refused"], (rank, r)
         g = r["gemma3"]
         assert g["loss"] < ATOL and g["norm"] < ATOL and g["param"] < ATOL, (rank, r)

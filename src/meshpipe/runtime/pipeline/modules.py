@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
 from meshpipe.errors import PipelineError
@@ -84,3 +86,25 @@ def warn_row_mixing(model: nn.Module | Sequence[nn.Module], num_microbatches: in
             len(names), shown, num_microbatches,
         )  # fmt: skip
     return names
+
+
+def warn_padded_labels(kwargs: dict[str, Any], num_microbatches: int, replicas: int) -> bool:
+    """Warn (on a Pipeline's first call with ``labels=``, every rank) where a Hugging Face
+    model is given labels with ignored positions (-100) and the batch is cut: the model's
+    own loss is a mean over each microbatch's kept tokens, so ``out.loss`` weighted by rows
+    differs from one process's mean over every kept token. One read of the labels, once.
+    Returns whether it warned."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor) or num_microbatches * replicas <= 1:
+        return False
+    if not bool((labels == -100).any()):
+        return False
+    log.warning(
+        "labels= with ignored positions (-100), cut into %d microbatch(es) x %d replica(s): "
+        "a Hugging Face model's own loss is the mean over each microbatch's kept tokens, so a "
+        "loss_fn returning out.loss weights the microbatches by rows, not by kept tokens, and "
+        "differs from one process on the whole batch; pass the labels as target= with "
+        "loss_fn=meshpipe.token_cross_entropy(shift=True) (exact)",
+        num_microbatches, replicas,
+    )  # fmt: skip
+    return True

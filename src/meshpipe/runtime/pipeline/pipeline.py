@@ -37,7 +37,12 @@ from meshpipe.runtime.pipeline.evaluate import MetricsFn, eval_records
 from meshpipe.runtime.pipeline.from_plan import plan_arguments
 from meshpipe.runtime.pipeline.inputs import Run
 from meshpipe.runtime.pipeline.memory import SavedLedger
-from meshpipe.runtime.pipeline.modules import initial_mode, stage_modules, warn_row_mixing
+from meshpipe.runtime.pipeline.modules import (
+    initial_mode,
+    stage_modules,
+    warn_padded_labels,
+    warn_row_mixing,
+)
 from meshpipe.runtime.pipeline.schedules import Schedules
 from meshpipe.runtime.pipeline.views import PipelineViews
 from meshpipe.runtime.step.accumulate import Accumulator, SetAside
@@ -152,6 +157,7 @@ class Pipeline(PipelineViews):
         self._runners: dict[int, StageRunner] = {}
         self._training = initial_mode(model)
         warn_row_mixing(model, self.schedule.num_microbatches)
+        self._labels_seen = False  # labels= with padding warned of (first call with them)
         # a whole model goes to meshpipe.split; it may wait for the first call's inputs
         self._whole: WholeModel | None = None
         if WholeModel.wanted(model, split_points):
@@ -292,6 +298,9 @@ class Pipeline(PipelineViews):
             f"step (grad_scale {grad_scale}, {'synced' if self._accumulate.synced else 'no_sync'})"
         )
         call, gate = self._begin(what, sched, (args, kwargs, target), training=True)
+        if not self._labels_seen and "labels" in kwargs:  # once: reads the labels
+            self._labels_seen = True
+            warn_padded_labels(kwargs, sched.num_microbatches, self.topology.dp_size)
         last = self._runners.get(sched.num_stages - 1)
         if last is not None:
             last.keep_outputs = return_outputs
