@@ -3,6 +3,7 @@
     .venv/bin/python scripts/check_hf_models.py                        # every model, 1f1b, pp=2
     .venv/bin/python scripts/check_hf_models.py --schedule zbv         # 4 stages on 2 ranks
     .venv/bin/python scripts/check_hf_models.py --tp 2 --models qwen3,gemma3   # pp=2 x tp=2, "auto"
+    .venv/bin/python scripts/check_hf_models.py --dp 2 --dp-mode fsdp --checkpointing
 
 Each model is built from a small config with random weights (no download), split by name
 at its decoder layers, and trained for two SGD steps on left-padded rows with
@@ -77,9 +78,12 @@ def _grad_gap(pipe: meshpipe.Pipeline, ref: torch.nn.Module) -> float:
     return worst
 
 
-def check(name: str, schedule: str, tp: int) -> list[tuple[float, float]]:
-    """Two SGD steps of ``name`` through a Pipeline against one process: per step, |loss gap|
-    and the worst gradient gap."""
+def check(
+    name: str, schedule: str, tp: int, replicas: int = 1, **options: Any
+) -> list[tuple[float, float]]:
+    """Two SGD steps of ``name`` through a Pipeline (``options``: more Pipeline arguments)
+    against one process: per step, |loss gap| and the worst gradient gap. With ``replicas``
+    > 1 (a dp axis) each replica passes its share of the rows."""
     import transformers
 
     cfg_name, model_name, layers, overrides = MODELS[name]
@@ -87,7 +91,7 @@ def check(name: str, schedule: str, tp: int) -> list[tuple[float, float]]:
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(cfg).train()
     ref = copy.deepcopy(model)
-    mesh = meshpipe.init_mesh(pp=2, tp=tp)
+    mesh = meshpipe.init_mesh(pp=2, dp=replicas, tp=tp)
     num_stages = meshpipe.get_schedule(schedule, 2, 4).num_stages
     points = [f"{layers}.{k * 4 // num_stages}" for k in range(1, num_stages)]
     torch.manual_seed(1)
@@ -99,12 +103,17 @@ def check(name: str, schedule: str, tp: int) -> list[tuple[float, float]]:
     loss_fn = meshpipe.token_cross_entropy(shift="Masked" not in model_name)
     pipe = meshpipe.Pipeline(
         model, mesh, schedule, 4, loss_fn=loss_fn, split_points=points,
-        tp_plan="auto" if tp > 1 else None, timeout=120,
+        tp_plan="auto" if tp > 1 else None, timeout=120, **options,
     )  # fmt: skip
+    rows = slice(None)
+    if replicas > 1:  # this replica's share of the rows
+        share = ids.shape[0] // replicas
+        start = mesh.get_local_rank("dp") * share
+        rows = slice(start, start + share)
     gaps = []
     opts: list[torch.optim.Optimizer] = [torch.optim.SGD(ref.parameters(), lr=0.1)]
     for _ in range(2):
-        loss = float(pipe.step(ids, target=target, attention_mask=mask))
+        loss = float(pipe.step(ids[rows], target=target[rows], attention_mask=mask[rows]))
         if len(opts) == 1:  # the pipeline's parameters exist once it is split
             opts.append(torch.optim.SGD(pipe.parameters(), lr=0.1))
         total, count = loss_fn(ref(input_ids=ids, attention_mask=mask), target)
@@ -117,13 +126,15 @@ def check(name: str, schedule: str, tp: int) -> list[tuple[float, float]]:
     return gaps
 
 
-def _worker(names: list[str], schedule: str, tp: int) -> dict[str, Any]:
+def _worker(
+    names: list[str], schedule: str, tp: int, dp: int, options: dict[str, Any]
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     for name in names:
         try:
-            out[name] = check(name, schedule, tp)
+            out[name] = check(name, schedule, tp, dp, **options)
         except Exception as e:  # reported per model, the others still run
             out[name] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
@@ -134,12 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--tp", type=int, default=1, help="2: pp=2 x tp=2, tp_plan='auto'")
+    ap.add_argument("--dp", type=int, default=1, help="2: pp=2 x dp=2, half the rows each")
+    ap.add_argument("--dp-mode", choices=("ddp", "fsdp"), help="with --dp: dp= of Pipeline")
+    ap.add_argument("--checkpointing", action="store_true", help='activation_checkpointing="full"')
     args = ap.parse_args(argv)
+    options: dict[str, Any] = {}
+    if args.dp_mode:
+        options["dp"] = args.dp_mode
+    if args.checkpointing:
+        options["activation_checkpointing"] = "full"
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
-    results = run_on_ranks(_worker, 2 * args.tp, names, args.schedule, args.tp, timeout=1800)
+    world = 2 * args.tp * args.dp
+    results = run_on_ranks(
+        _worker, world, names, args.schedule, args.tp, args.dp, options, timeout=1800
+    )
     bad = skipped = 0
     for name in names:
         per_rank = [r[name] for r in results]
@@ -160,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             shown = f"loss gap {loss:.1e}, gradient gap {grad:.1e} (worst of 2 steps, all ranks)"
         print(f"{'ok  ' if ok else 'FAIL'} {name:10s} {shown}", flush=True)
     checked = len(names) - skipped
-    print(f"{checked - bad} of {checked} match one process ({args.schedule}, tp={args.tp})")
+    how = f"{args.schedule}, tp={args.tp}, dp={args.dp} {options or ''}".rstrip()
+    print(f"{checked - bad} of {checked} match one process ({how})")
     return 1 if bad else 0
 
 
