@@ -310,7 +310,24 @@ def _gpt2_stage_meshes() -> dict[str, Any]:
     )  # fmt: skip
     gaps = _train(pipe, ref, sm.lm_loss, _lm_batches(seed=5))
     sharded = [n for n, p in pipe.named_parameters() if isinstance(p, DTensor)]
-    return {**gaps, "sharded": len(sharded)}
+    return {**gaps, "sharded": len(sharded), "qwen3": _qwen3_dp_meshes()}
+
+
+def _qwen3_dp_meshes() -> dict[str, Any]:
+    """Qwen 3 on [{"tp": 1}, {"dp": 2}]: its rotary embedding (a unit, so its output
+    crosses the boundary) gives one row of cos and sin for every row of the microbatch;
+    between meshes of different dp sizes that row goes whole to each part (it was refused
+    before 2026-12-02: "must have the batch rows on dim 0"). 3 AdamW steps."""
+    import split_models as sm
+
+    meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}])
+    torch.manual_seed(0)
+    model = sm.qwen3()
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, meshes, "1f1b", 4, loss_fn=sm.lm_loss, split_points=["model.layers.2"]
+    )
+    return _train(pipe, ref, sm.lm_loss, _lm_batches(seed=6))
 
 
 def test_gpt2_tied_on_stage_meshes_tp2_tp1_matches_one_process() -> None:
@@ -320,6 +337,8 @@ def test_gpt2_tied_on_stage_meshes_tp2_tp1_matches_one_process() -> None:
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
         # stage 0 (tp=2): c_fc and c_proj (weight + bias) of 2 blocks; stage 1 (tp=1): none
         assert r["sharded"] == (8 if rank < 2 else 0), (rank, r)
+        q = r["qwen3"]  # dp 1 -> dp 2, a one-row rotary table crossing whole
+        assert q["loss"] < ATOL and q["norm"] < ATOL and q["param"] < ATOL, (rank, q)
 
 
 class Rotary(nn.Module):

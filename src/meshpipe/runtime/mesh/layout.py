@@ -140,24 +140,35 @@ def _pieces(src: Grid, dst: Grid, rows: int) -> tuple[Piece, ...]:
     return tuple(out)
 
 
+def _broadcast(t: torch.Tensor, local_rows: int) -> bool:
+    """Whether a boundary tensor is the same for every row (crosses whole): 0-dim, or one
+    row broadcast over a microbatch of several (rotary tables made from position ids of
+    batch 1) that needs no gradient (its gradient would be summed over the rows)."""
+    return t.dim() == 0 or (t.shape[0] == 1 and local_rows != 1 and not t.requires_grad)
+
+
 def between_meshes(
     value: Any, pieces: Sequence[Piece], local_rows: int, where: object
 ) -> list[tuple[Piece, Any]]:
     """Each piece (sent by this process) with the part of ``value`` it carries. Tensor
-    leaves are cut on dim 0, which must be the rows; 0-dim leaves go whole to each."""
+    leaves are cut on dim 0, which must be the rows; 0-dim leaves, and leaves of one row
+    broadcast over the microbatch's rows without a gradient, go whole to each."""
     if len(pieces) == 1 and pieces[0].whole:
         return [(pieces[0], value)]
     leaves, spec = flatten(value)
+    whole = [_broadcast(t, local_rows) for t in leaves]
     for i, t in enumerate(leaves):
-        if t.dim() > 0 and t.shape[0] != local_rows:
+        if not whole[i] and t.shape[0] != local_rows:
             raise PipelineError(
-                f"{where}: tensor leaf {i} has shape {tuple(t.shape)}, but this process holds "
+                f"{where}: tensor leaf {i} has shape {tuple(t.shape)}"
+                f"{' and requires grad' if t.requires_grad else ''}, but this process holds "
                 f"{local_rows} rows of the microbatch; between stage meshes of different dp "
-                "sizes every boundary tensor must have the batch rows on dim 0 (or be 0-dim)"
+                "sizes every boundary tensor must have the batch rows on dim 0 (or be 0-dim, "
+                "or one row for every row without a gradient)"
             )
     out = []
     for p in pieces:
-        cut = [t if t.dim() == 0 else t[p.src_lo : p.src_lo + p.rows] for t in leaves]
+        cut = [t if w else t[p.src_lo : p.src_lo + p.rows] for t, w in zip(leaves, whole)]
         out.append((p, unflatten(cut, spec)))
     return out
 
@@ -165,16 +176,20 @@ def between_meshes(
 def join_values(values: Sequence[Any], pieces: Sequence[Piece], summed: bool) -> Any:
     """The inverse of :func:`between_meshes` on the receiving side (pieces in row order).
     0-dim leaves went to every part whole: a value takes the first piece's, a gradient
-    (``summed``) the sum over the parts."""
+    (``summed``) the sum over the parts. So do one-row leaves that came from a piece of
+    several rows (broadcast); where every piece has one row they are joined as rows, the
+    same values in every row."""
     if len(pieces) == 1 and pieces[0].whole:
         return values[0]
     flat = [flatten(v) for v in values]
     leaves0, spec = flat[0]
     joined = []
+    several = any(p.rows != 1 for p in pieces)
     for i, t in enumerate(leaves0):
         parts = [leaves[i] for leaves, _ in flat]
-        if t.dim() == 0:
-            joined.append(torch.stack([p.detach() for p in parts]).sum() if summed else t)
+        one_row = several and all(x.dim() > 0 and x.shape[0] == 1 for x in parts)
+        if t.dim() == 0 or one_row:
+            joined.append(torch.stack([p.detach() for p in parts]).sum(0) if summed else t)
             continue
         whole = torch.cat([p.detach() for p in parts], dim=0)
         if t.requires_grad and whole.is_floating_point():
