@@ -37,69 +37,37 @@ def gpt2(num_layers: int = 4, dropout: float = 0.0) -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def llama(num_layers: int = 4) -> nn.Module:
+def _decoder(config: str, model: str, num_layers: int, **extra: Any) -> nn.Module:
+    """A small random-weight decoder of transformers' ``model`` class: 4 heads of width 8
+    (2 key-value heads), an MLP of 64, no cache, token 0 for bos, eos and padding."""
     quiet_transformers()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    cfg = LlamaConfig(
-        num_hidden_layers=num_layers,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg)
+    cfg = getattr(transformers, config)(
+        num_hidden_layers=num_layers, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, **extra,
+    )  # fmt: skip
+    built: nn.Module = getattr(transformers, model)(cfg)
+    return built
+
+
+def llama(num_layers: int = 4) -> nn.Module:
+    return _decoder("LlamaConfig", "LlamaForCausalLM", num_layers, max_position_embeddings=32)
 
 
 def qwen3(num_layers: int = 4) -> nn.Module:
     """Qwen 3: per-head query and key norms after the projections (its declared tp plan
     gives them "replicated_with_grad_allreduce")."""
-    quiet_transformers()
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(
-        num_hidden_layers=num_layers,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=VOCAB,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return Qwen3ForCausalLM(cfg)
+    return _decoder("Qwen3Config", "Qwen3ForCausalLM", num_layers, head_dim=8)
 
 
 def gemma3(num_layers: int = 4) -> nn.Module:
     """Gemma 3's text model: sliding-window and full attention layers, each kind with a
     rotary embedding the model asks for by name (a string argument), tied embeddings."""
-    quiet_transformers()
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    cfg = Gemma3TextConfig(
-        num_hidden_layers=num_layers,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=4,
-        vocab_size=VOCAB,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
+    return _decoder(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", num_layers, head_dim=8, sliding_window=4
     )
-    return Gemma3ForCausalLM(cfg)
 
 
 def tokens(batch: int = 8, seq: int = 10, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, Any]:
