@@ -27,15 +27,27 @@ def _model(kind: str) -> Any:
 
     if kind in ("llama", "gpt2"):
         return getattr(sm, kind)(4)
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     config, cls = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }[kind]
+    extra = {"qwen3": {"head_dim": 8}, "phi3": {"pad_token_id": 0}}.get(kind, {})
     cfg = config(
         num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=sm.VOCAB, max_position_embeddings=32,
+        num_key_value_heads=2, vocab_size=sm.VOCAB, max_position_embeddings=32, **extra,
     )  # fmt: skip
     return cls(cfg)
 
@@ -209,6 +221,9 @@ def _worker() -> dict[str, Any]:
         "llama pp4": _greedy("llama", pp4, 4),
         "qwen2 pp2": _greedy("qwen2", pp2, 2),
         "mistral pp4": _greedy("mistral", pp4, 4),
+        # per-head q/k norms replicated over tp (ReplicatedGradSum); a fused qkv
+        "qwen3 pp2 tp2": _greedy("qwen3", tp2, 2, tp_plan="auto"),
+        "phi3 pp2": _greedy("phi3", pp2, 2),
     }
     res["sampled"] = {
         "pp2 lanes=1": _sampled(pp2, 2, 1, seed=7),
@@ -233,7 +248,7 @@ def _results() -> list[dict[str, Any]]:
     "case",
     [
         "llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4", "llama pp2 tp2",
-        "llama stage meshes",
+        "llama stage meshes", "qwen3 pp2 tp2", "phi3 pp2",
     ],
 )  # fmt: skip
 def test_greedy_matches_hugging_face_generate(case: str) -> None:

@@ -62,7 +62,7 @@ _FAMILIES: dict[str, Family] = {
         positions="transformer.wpe",
         dropout="transformer.drop",
     ),  # fmt: skip
-    **{name: Family(name, **_ROPE) for name in ("llama", "qwen2", "mistral")},
+    **{name: Family(name, **_ROPE) for name in ("llama", "qwen2", "qwen3", "mistral", "phi3")},
 }
 
 
