@@ -148,12 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=1, help="2: pp=2 x dp=2, half the rows each")
     ap.add_argument("--dp-mode", choices=("ddp", "fsdp"), help="with --dp: dp= of Pipeline")
     ap.add_argument("--checkpointing", action="store_true", help='activation_checkpointing="full"')
+    ap.add_argument("--compile", action="store_true", help="compile=True (minutes per model)")
     args = ap.parse_args(argv)
     options: dict[str, Any] = {}
     if args.dp_mode:
         options["dp"] = args.dp_mode
     if args.checkpointing:
         options["activation_checkpointing"] = "full"
+    if args.compile:
+        options["compile"] = True
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from meshpipe.runtime.step.split_compile import Deferred, collecting, is_split_node
+from meshpipe.runtime.step.split_compile import Deferred, collecting, is_split_node, kept_graph
 
 # what torch.autograd.backward calls once its arguments are checked (None: a torch without
 # it, where the public call is used)
@@ -297,7 +297,7 @@ def backward_input(
     got: Sequence[torch.Tensor | None] = ()
     deferred: list[Deferred] = []
     if wanted:
-        with collecting() as deferred:
+        with collecting() as deferred, kept_graph(compiled):
             got = torch.autograd.grad(outs, wanted, gs, retain_graph=True, allow_unused=True)
     it = iter(got[: len(need_inputs)])
     input_grads = [next(it) if x.requires_grad else None for x in inputs]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["SPLIT_BACKENDS", "split_backend", "collecting", "is_split_node"]
+__all__ = ["SPLIT_BACKENDS", "split_backend", "collecting", "is_split_node", "kept_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,18 @@ def collecting() -> Iterator[list[Deferred]]:
         yield _pending
     finally:
         _pending = outer
+
+
+def kept_graph(compiled: bool) -> contextlib.AbstractContextManager[Any]:
+    """Around I's backward, which keeps the graph for W (``retain_graph``): for ``compiled``
+    stages, AOTAutograd's donated buffers off (a compiled backward whose donated buffers are
+    unknown, as the split backend leaves them, or non-empty, as dynamic shapes make them,
+    refuses a kept graph when it first runs)."""
+    if not compiled:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(donated_buffer=False)  # type: ignore[no-any-return]
 
 
 def is_split_node(node: Any) -> bool:
@@ -112,7 +124,16 @@ def _compiled(gm: fx.GraphModule, example: list[Any], inductor: bool) -> Callabl
     return lambda args: fn(list(args))
 
 
-def _backward(halves: _Halves, weight: Sequence[bool], example: list[Any], inductor: bool) -> Any:
+def _backward(
+    halves: _Halves,
+    weight: Sequence[bool],
+    example: list[Any],
+    inductor: bool,
+    edge_of: Sequence[int | None],
+) -> Any:
+    """The split backward: ``weight`` marks the gradient outputs that are weight gradients;
+    ``edge_of`` maps each gradient output to the autograd node's edge of its input (None
+    for the symbolic sizes a dynamic-shape graph takes as inputs: they have no edge)."""
     first = _compiled(halves.input_graph, example, inductor)
     w_example = [example[i] for i in halves.weight_args] + halves.shared_vals
     second = _compiled(halves.weight_graph, w_example, inductor)
@@ -127,11 +148,13 @@ def _backward(halves: _Halves, weight: Sequence[bool], example: list[Any], induc
         pending = _pending
         node = torch._C._current_autograd_node() if pending is not None else None
         edges = getattr(node, "next_functions", ())
-        if pending is None or len(edges) != count:  # B, or a node we cannot map: both
+        mapped = len(edge_of) == count and len(edges) == sum(e is not None for e in edge_of)
+        if pending is None or not mapped:  # B, or a node we cannot map: both
             late = second([*keep, *shared])
             return tuple(a if a is not None else b for a, b in zip(grads, late))
         params = [
-            getattr(edges[i][0], "variable", None) if w else None for i, w in enumerate(weight)
+            getattr(edges[e][0], "variable", None) if w and e is not None else None
+            for w, e in zip(weight, edge_of)
         ]
 
         def weight_work() -> None:
@@ -157,11 +180,17 @@ def split_backend(name: str) -> Callable[..., Any]:
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         is_param = [isinstance(x, nn.Parameter) for x in example_inputs]
+        # the autograd node has an edge per tensor input, none for a symbolic size
+        edge_of: list[int | None] = []
+        for x in example_inputs:
+            edge_of.append(
+                sum(e is not None for e in edge_of) if isinstance(x, torch.Tensor) else None
+            )
 
         def bw_compiler(bw: fx.GraphModule, example: list[Any]) -> Any:
             outs = list(list(bw.graph.nodes)[-1].args[0])
             weight = [i < len(is_param) and is_param[i] for i in range(len(outs))]
-            return _backward(_Halves(bw, weight), weight, list(example), inductor)
+            return _backward(_Halves(bw, weight), weight, list(example), inductor, edge_of)
 
         kwargs: dict[str, Any] = {"bw_compiler": bw_compiler}
         if inductor:
@@ -173,6 +202,9 @@ def split_backend(name: str) -> Callable[..., Any]:
             from functorch.compile import make_boxed_func
 
             kwargs.update(fw_compiler=lambda g, _: make_boxed_func(g))
-        return aot_autograd(**kwargs)(gm, example_inputs)
+        # I runs the backward with the graph kept for W (retain_graph): AOTAutograd's
+        # donated buffers (saved tensors the backward frees as it goes) refuse that
+        with torch._functorch.config.patch(donated_buffer=False):
+            return aot_autograd(**kwargs)(gm, example_inputs)
 
     return backend
