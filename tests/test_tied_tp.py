@@ -25,7 +25,7 @@ def test_a_sharded_head_tied_to_a_whole_embedding_is_found() -> None:
     assert tied == [{0: "emb.weight", 1: "head.weight"}]
     bad = tied_mismatches(stages, {"head": ColwiseParallel()}, tied, [2, 2])
     assert bad == [
-        ("emb.weight", [(0, "emb", "whole (no tp style)"),
+        ("emb.weight", [(0, "emb", "whole"),
                         (1, "head", "sharded on dim 0 over tp=2")]),
     ]  # fmt: skip
     # both sharded by rows of the (16, 8) weight: alike
@@ -46,7 +46,7 @@ def test_holders_on_one_stage_are_compared_too() -> None:
     assert within == [{0: "emb.weight"}]
     bad = tied_mismatches([one], {"head": ColwiseParallel()}, within, [2])
     assert [how for _s, _p, how in bad[0][1]] == [
-        "whole (no tp style)",
+        "whole",
         "sharded on dim 0 over tp=2",
     ]
 

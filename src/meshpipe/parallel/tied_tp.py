@@ -34,11 +34,7 @@ def param_layout(module: nn.Module, attr: str, style: ParallelStyle | None, tp: 
     colwise = isinstance(style, ColwiseParallel)
     rowwise = isinstance(style, RowwiseParallel)
     if not (colwise or rowwise):
-        if type(style).__name__ in (
-            "SequenceParallel",
-            "PrepareModuleInput",
-            "PrepareModuleOutput",
-        ):
+        if type(style).__name__ in _WHOLE:
             return REPLICATED  # they leave parameters whole (replicated DTensors at most)
         return ("style", type(style).__name__)
     if isinstance(module, nn.Embedding):
@@ -56,7 +52,7 @@ def param_layout(module: nn.Module, attr: str, style: ParallelStyle | None, tp: 
 
 def _text(layout: Layout) -> str:
     if layout == REPLICATED:
-        return "whole (no tp style)"
+        return "whole"
     if layout[0] == "shard":
         return f"sharded on dim {layout[1]} over tp={layout[2]}"
     return f"laid out by {layout[1]}"
