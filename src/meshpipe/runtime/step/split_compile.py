@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from meshpipe.errors import PipelineError
+
 __all__ = ["SPLIT_BACKENDS", "split_backend", "collecting", "is_split_node", "kept_graph"]
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,17 @@ def _backward(
         node = torch._C._current_autograd_node() if pending is not None else None
         edges = getattr(node, "next_functions", ())
         mapped = len(edge_of) == count and len(edges) == sum(e is not None for e in edge_of)
-        if pending is None or not mapped:  # B, or a node we cannot map: both
+        if pending is not None and not mapped:
+            # the weights cannot be told from the other inputs, so W cannot take their
+            # work; computing it here gave a wrong second step once (dynamic shapes, before
+            # edge_of): stop rather than guess
+            raise PipelineError(
+                f"a compiled stage's backward has {count} gradient outputs for "
+                f"{len(edges)} autograd edges ({len(edge_of)} graph inputs): its weight "
+                "gradients cannot be left to W. Compile with one fused backward "
+                "(compile={'mode': 'default'}) or without compile on zero-bubble schedules"
+            )
+        if pending is None:  # B, or a plain backward: both halves now
             late = second([*keep, *shared])
             return tuple(a if a is not None else b for a, b in zip(grads, late))
         params = [
