@@ -86,6 +86,23 @@ def _all(_: None = None) -> dict[str, Any]:
     for name in ("zbv", "zbh1"):
         out[f"where-{name}"] = _where_weights(mesh, name, {"backend": "aot_eager"})
     out["where-fused"] = _where_weights(mesh, "zbv", {"backend": "eager"})
+    # more compiled stages in one process than dynamo's recompile limit (8 per code object):
+    # 5 Pipelines of zbv (2 stages a rank), each stage's forward with a code object of its own
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    for seed in range(5):
+        torch.manual_seed(seed)
+        pipe = meshpipe.Pipeline(
+            blocks(8),
+            mesh,
+            "zbv",
+            num_microbatches=4,
+            loss_fn=mse,
+            compile={"backend": "aot_eager"},
+        )
+        x = torch.randn(8, D)
+        pipe.step(x, target=x)
+    out["many-graphs"] = counters["stats"]["unique_graphs"] - before
     # dynamic shapes (as a recompile for a new sequence length makes them): the graph takes
     # symbolic sizes as inputs, which have no autograd edge; W must still find the weights
     dynamic = {"backend": "aot_eager", "dynamic": True}
@@ -123,6 +140,15 @@ def test_compiled_stages_match_one_process(results: Any, name: str) -> None:
 def test_something_was_compiled(results: Any) -> None:
     for rank, res in enumerate(results):
         assert res["graphs"] > 0, f"rank {rank}: dynamo compiled no graph"
+
+
+def test_more_stages_than_the_recompile_limit_all_compile(results: Any) -> None:
+    """Every stage's forward is compiled through a code object of its own: 10 stages a
+    process each get their graph (sharing GraphStage/Sequential.forward's code object, the
+    stages past dynamo's limit of 8 ran eager, and a stage whose inputs differed from an
+    earlier one's compiled with dynamic shapes)."""
+    for rank, res in enumerate(results):
+        assert res["many-graphs"] >= 10, (rank, res["many-graphs"])
 
 
 def test_dynamic_shapes_keep_the_split_and_match_one_process(results: Any) -> None:

@@ -84,6 +84,23 @@ def compile_stage(
     if not splittable:
         log.info("stage compiled with one fused backward (backend %r, options %s)", backend, opts)
     targets = stage_blocks(module, index) if per_block else [("", module)]
-    for _, target in targets:
-        target.forward = torch.compile(target.forward, backend=chosen, **opts)
+    for name, target in targets:
+        entry = _own_code(target.forward, f"meshpipe_stage{index}_{name or 'forward'}")
+        target.forward = torch.compile(entry, backend=chosen, **opts)
     return "split" if splittable else "fused"
+
+
+def _own_code(forward: Any, name: str) -> Any:
+    """``forward`` called through a function with a code object of its own. dynamo keeps
+    its compiled code, its recompile count (8 at most, then the code runs eager) and the
+    shapes it has seen (a new one makes the next compile dynamic) per code object; every
+    traced stage's forward is ``GraphStage.forward`` and every Sequential's
+    ``nn.Sequential.forward``, so without this the stages of a process would share one
+    count, and a stage whose inputs differ from another's would compile with dynamic
+    shapes."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace(co_name=name.replace(".", "_"))
+    return call
