@@ -325,8 +325,8 @@ class StepDriver:
         (failures/closing.py, ``uneven_rows``); on CUDA by the next call (``RowsLater``):
         reading them here would wait for the GPU."""
         topo = self.topology
+        rows = sum(self.inputs.whole_rows)  # this replica's, for the uneven-rows check
         if reads_closing(topo.device):
-            rows = sum(self.inputs.whole_rows)
             loss, scale, failures, uneven = reduce_loss_host(
                 records, contributes, topo.pp_group, topo.dp_group, self.timeout,
                 self.closing_tag, topo.stage_meshes, False, self.take_closing(),
@@ -342,7 +342,7 @@ class StepDriver:
         loss_t, scale_t, failures_t, rows_t = reduce_loss(
             records, contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
-            rows=sum(self.inputs.whole_rows),
+            rows=rows,
         )  # fmt: skip
         self.stop_if_failed(failures_t)
         if self.rows_later is not None:

@@ -132,10 +132,12 @@ def _backward(
     example: list[Any],
     inductor: bool,
     edge_of: Sequence[int | None],
+    num_edges: int,
 ) -> Any:
     """The split backward: ``weight`` marks the gradient outputs that are weight gradients;
     ``edge_of`` maps each gradient output to the autograd node's edge of its input (None
-    for the symbolic sizes a dynamic-shape graph takes as inputs: they have no edge)."""
+    for the symbolic sizes a dynamic-shape graph takes as inputs: they have no edge), of
+    ``num_edges``."""
     first = _compiled(halves.input_graph, example, inductor)
     w_example = [example[i] for i in halves.weight_args] + halves.shared_vals
     second = _compiled(halves.weight_graph, w_example, inductor)
@@ -150,7 +152,7 @@ def _backward(
         pending = _pending
         node = torch._C._current_autograd_node() if pending is not None else None
         edges = getattr(node, "next_functions", ())
-        mapped = len(edge_of) == count and len(edges) == sum(e is not None for e in edge_of)
+        mapped = len(edge_of) == count and len(edges) == num_edges
         if pending is not None and not mapped:
             # the weights cannot be told from the other inputs, so W cannot take their
             # work; computing it here gave a wrong second step once (dynamic shapes, before
@@ -194,15 +196,20 @@ def split_backend(name: str) -> Callable[..., Any]:
         is_param = [isinstance(x, nn.Parameter) for x in example_inputs]
         # the autograd node has an edge per tensor input, none for a symbolic size
         edge_of: list[int | None] = []
+        num_edges = 0
         for x in example_inputs:
-            edge_of.append(
-                sum(e is not None for e in edge_of) if isinstance(x, torch.Tensor) else None
-            )
+            if isinstance(x, torch.Tensor):
+                edge_of.append(num_edges)
+                num_edges += 1
+            else:
+                edge_of.append(None)
 
         def bw_compiler(bw: fx.GraphModule, example: list[Any]) -> Any:
             outs = list(list(bw.graph.nodes)[-1].args[0])
             weight = [i < len(is_param) and is_param[i] for i in range(len(outs))]
-            return _backward(_Halves(bw, weight), weight, list(example), inductor, edge_of)
+            return _backward(
+                _Halves(bw, weight), weight, list(example), inductor, edge_of, num_edges
+            )
 
         kwargs: dict[str, Any] = {"bw_compiler": bw_compiler}
         if inductor:
