@@ -5,7 +5,7 @@ on synthetic records and on a real 2-rank run of a plan."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -81,6 +81,33 @@ def test_calibrate_compares_and_rescales(schedule: str) -> None:
     # pieces of stage 0 (0, 1) scaled by stage 0's F ratio, of stage 1 by stage 1's
     assert scaled.pieces[1].f.per_row == pytest.approx(prof.pieces[1].f.per_row * 2.0)
     assert scaled.pieces[3].f.fixed == pytest.approx(prof.pieces[3].f.fixed * 1.5)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_calibrate_fills_a_kind_the_profile_measured_at_zero(schedule: str) -> None:
+    """The profile takes the harness's cost out of each piece; under load that can leave a
+    piece's backward at 0 (the flaky 2-rank case below). Measured above 0, the calibrated
+    profile must predict what was measured, not keep the action free."""
+    base = _profile()
+    zero = Affine(0.0, 0.0)
+    pieces = [replace(p, i=zero, w=zero, b=zero) if k >= 2 else p
+              for k, p in enumerate(base.pieces)]  # fmt: skip
+    prof, st = replace(base, pieces=tuple(pieces)), Settings(world_size=2)
+    plan = judge(prof, Layout(2), schedule, 1, 4, st, [2])
+    assert plan is not None
+    oh = st.overhead
+    assert plan.stage_costs[1][1] == pytest.approx((1 if schedule == "1f1b" else 2) * oh)
+    recs = []
+    for s, (f, *_) in enumerate(plan.stage_costs):
+        # the first stage's I computes nothing (the model's inputs need no gradient)
+        kinds = {"F": f, "I": 3e-3 * s + oh, "W": 2e-3 + oh} if schedule == "zbh1" else {
+            "F": f, "B": 5e-3 + oh}  # fmt: skip
+        recs += [(k, s, v) for k, v in kinds.items()]
+    cal = calibrate(plan, recs)
+    again = judge(calibrated_profile(prof, cal, st), Layout(2), schedule, 1, 4, st, [2])
+    assert again is not None
+    for got, want in zip(again.stage_costs, cal.stage_costs):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
 
 
 def test_calibrate_refuses_partial_records() -> None:

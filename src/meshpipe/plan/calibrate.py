@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from meshpipe.plan.candidate import Layout, Settings, judge
-from meshpipe.plan.costs import PieceCost, Profile
+from meshpipe.plan.costs import Affine, PieceCost, Profile
 from meshpipe.plan.errors import PlanError
 from meshpipe.plan.value import Plan
 from meshpipe.schedule.ir import Schedule
@@ -128,13 +128,46 @@ def calibrate(
     return Calibration(plan, tuple(measured), tuple(rows), plan.step_time, measured_step)
 
 
-def _ratio(target: float, predicted: float) -> float:
-    return max(target, 0.0) / predicted if predicted > 0 else 1.0
+_KINDS = ("f", "i", "w", "b")
 
 
-def _scaled(piece: PieceCost, rf: float, ri: float, rw: float, rb: float) -> PieceCost:
-    b = None if piece.b is None else piece.b.scaled(rb)
-    return replace(piece, f=piece.f.scaled(rf), i=piece.i.scaled(ri), w=piece.w.scaled(rw), b=b)
+def _rescaled(
+    pieces: Sequence[PieceCost],
+    fit: dict[str, tuple[float, float]],
+    f_predicted: float,
+    split: bool,
+    first: bool,
+) -> list[PieceCost]:
+    """One stage's pieces with each kind scaled from its predicted to its measured time.
+
+    A kind predicted at 0 but measured above 0 (the profile's harness cost taken out of a
+    piece measured under load can leave nothing) takes the shape of the pieces' forwards,
+    scaled to the measured time; left at 0 it would keep predicting the action as free.
+    On the first stage such a W carries the whole backward, so its I becomes 0; a B
+    measured whole gives its I and W half each."""
+    new: dict[str, list[Affine | None]] = {}
+    for kind in _KINDS:
+        measured, predicted = fit[kind]
+        measured = max(measured, 0.0)
+        if predicted > 0:
+            new[kind] = [_attr(p, kind, measured / predicted) for p in pieces]
+        elif measured > 0 and f_predicted > 0:
+            parts = 2 if not split and kind in ("i", "w") else 1  # a B measured whole
+            new[kind] = [p.f.scaled(measured / f_predicted / parts) for p in pieces]
+            if kind == "w" and first:
+                new["i"] = [p.i.scaled(0.0) for p in pieces]
+        elif kind not in new:
+            new[kind] = [_attr(p, kind, 1.0) for p in pieces]
+    return [
+        replace(p, f=f_, i=i_, w=w_, b=b_)
+        for p, f_, i_, w_, b_ in zip(pieces, *(new[k] for k in _KINDS))
+    ]
+
+
+def _attr(piece: PieceCost, kind: str, ratio: float) -> Affine | None:
+    """``piece``'s ``kind`` affine times ``ratio`` (None for a profile without ``b``)."""
+    got: Affine | None = getattr(piece, kind)
+    return None if got is None else got.scaled(ratio)
 
 
 def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -> Profile:
@@ -146,7 +179,8 @@ def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -
     plan, so a profile taken again still lands on the measured times. ``settings.overhead``
     per action is kept out of the scaling; a checkpointed stage's recomputation (its
     measured F) is taken out of its measured backward. A measured time below the overhead
-    scales to 0; a piece kind predicted at 0 stays unscaled."""
+    scales to 0; a kind predicted at 0 and measured above it takes the forwards' shape
+    (``_rescaled``)."""
     plan = cal.plan
     index = {p: k for k, p in enumerate(profile.points)}
     missing = [p for p in plan.split_points if p not in index]
@@ -170,15 +204,18 @@ def calibrated_profile(profile: Profile, cal: Calibration, settings: Settings) -
     for s, ((f, b, w), (mf, mi, mw)) in enumerate(zip(again.stage_costs, cal.measured)):
         share = 1.0 - kept[s] / plan.num_microbatches  # of the forwards run again
         recompute = max(mf - oh, 0.0) * share if plan.activation_checkpointing[s] else 0.0
-        rf = _ratio(mf - oh, f - oh)
+        # each kind's (measured, predicted) beyond the overhead
+        fit = {"f": (mf - oh, f - oh)}
         if split:
-            rw = _ratio(mw - oh, w - oh)
-            # the first stage's I has nothing to compute: its W is the pieces' whole backward
-            ri = rw if bounds[s] == 0 else _ratio(mi - oh - recompute, b - w - oh)
-            rb = _ratio(mi + mw - 2 * oh - recompute, b - 2 * oh)  # a B as I and W together
+            fit["w"] = (mw - oh, w - oh)
+            fit["b"] = (mi + mw - 2 * oh - recompute, b - 2 * oh)  # a B as I and W together
+            if bounds[s] == 0:  # its I has nothing to compute: W is the whole backward
+                fit["i"] = fit["b"] = fit["w"]
+            else:
+                fit["i"] = (mi - oh - recompute, b - w - oh)
         else:
-            ri = rw = rb = _ratio(mi - oh - recompute, b - oh)
-        for k in range(bounds[s], bounds[s + 1]):
-            pieces[k] = _scaled(pieces[k], rf, ri, rw, rb)
+            fit["i"] = fit["w"] = fit["b"] = (mi - oh - recompute, b - oh)
+        own = pieces[bounds[s] : bounds[s + 1]]
+        pieces[bounds[s] : bounds[s + 1]] = _rescaled(own, fit, f - oh, split, bounds[s] == 0)
     notes = {**profile.notes, "calibrated": [list(c) for c in cal.measured]}
     return replace(profile, pieces=tuple(pieces), notes=notes)
