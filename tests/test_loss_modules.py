@@ -1,9 +1,9 @@
 """torch's loss modules under microbatching: a mean cross entropy over padded targets gives
 the whole batch's mean (not the mean of the microbatches' means), and losses that sum or do
 not reduce are refused up front; dp replicas of a mean loss that pass different numbers of rows
-are refused (their losses would be averaged alike, not by rows; where the closing runs on
-the device, as on CUDA, by the next call). And the word on batch norm,
-which microbatches change.
+are weighted by their rows with dp=None, and refused where the gradients were reduced in
+the backward (dp="ddp": averaged alike, not by rows; where the closing runs on the device,
+as on CUDA, by the next call). And the word on batch norm, which microbatches change.
 
 One spawn of 2 processes (pp=2, 1f1b, 4 microbatches) runs an LM whose targets are padded
 unevenly across the microbatches (microbatch 0 nearly all padding), for CrossEntropyLoss,
@@ -145,27 +145,52 @@ def _token_loss(mesh: Any) -> tuple[float, float, float]:
     return loss, float(expected), grad
 
 
+def _grad_gap(pipe: meshpipe.Pipeline, ref: nn.Module, times: float = 1.0) -> float:
+    refs = dict(ref.named_parameters())
+    return max(
+        (p.grad - times * refs[n].grad).abs().max().item() for n, p in pipe.named_parameters()
+    )
+
+
 def _uneven_replicas(mesh: Any) -> dict[str, Any]:
-    """pp1 x dp2: replica 0 passes 3 rows, replica 1 passes 5. A mean loss is refused on
-    both, its gradients dropped (.grad as before the call), and the next even call works;
-    a cross-entropy module (a (sum, count) pair) is exact for the uneven split."""
+    """pp1 x dp2: replica 0 passes 3 rows, replica 1 passes 5. With dp=None the step weighs
+    the replicas by their rows: loss and gradients as one process on the 8 rows, also in a
+    no_sync() window (each call's gradients weighted before they are kept). With
+    dp="ddp" (gradients reduced inside the backward) a mean loss is refused on both, its
+    gradients dropped (.grad as before the call), and the next even call works; a
+    cross-entropy module (a (sum, count) pair) is exact for the uneven split."""
     me = mesh.get_local_rank("dp")
     torch.manual_seed(2)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
+    y[:3] += 2.0  # replica 0's rows cost more: the plain average of the means differs
     rows = slice(0, 3) if me == 0 else slice(3, 8)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     ref = copy.deepcopy(model)
-    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 1, loss_fn=nn.MSELoss(), timeout=60)
+    mse = nn.MSELoss()
+    out: dict[str, Any] = {"expected": float(mse(ref(x), y))}
+    # the plain average of the two replicas' means, which the weighting must not give
+    out["naive"] = float((mse(ref(x[:3]), y[:3]) + mse(ref(x[3:]), y[3:])) / 2)
+    mse(ref(x), y).backward()
+    exact = meshpipe.Pipeline(copy.deepcopy(model), mesh, "1f1b", 1, loss_fn=mse, timeout=60)
+    out["exact"] = float(exact.step(x[rows], target=y[rows]))
+    out["exact_grad"] = _grad_gap(exact, ref)
+    exact.zero_grad()
+    with exact.no_sync():  # 3 + 5 rows, then 6 + 2: twice the whole batch's gradient
+        exact.step(x[rows], target=y[rows])
+    other = slice(0, 6) if me == 0 else slice(6, 8)
+    out["window"] = float(exact.step(x[other], target=y[other]))
+    out["window_grad"] = _grad_gap(exact, ref, 2.0)
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 1, loss_fn=mse, dp="ddp", timeout=60)
     pipe.step(x[:4] if me == 0 else x[4:], target=y[:4] if me == 0 else y[4:])  # even
     before = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     try:
         pipe.step(x[rows], target=y[rows])
-        refused = ""
+        out["refused"] = ""
     except PipelineError as e:
-        refused = str(e)
-    kept = all(torch.equal(p.grad, before[n]) for n, p in pipe.named_parameters())
+        out["refused"] = str(e)
+    out["kept"] = all(torch.equal(p.grad, before[n]) for n, p in pipe.named_parameters())
     pipe.zero_grad()
-    again = float(pipe.step(x[:4] if me == 0 else x[4:], target=y[:4] if me == 0 else y[4:]))
+    out["again"] = float(pipe.step(x[:4] if me == 0 else x[4:], target=y[:4] if me == 0 else y[4:]))
     ids, target = _batch()
     lm, lm_ref = _lm(False), _lm(False)
     ce = meshpipe.Pipeline(lm, mesh, "1f1b", 1, loss_fn=nn.CrossEntropyLoss(), timeout=60)
@@ -173,29 +198,31 @@ def _uneven_replicas(mesh: Any) -> dict[str, Any]:
     ce_loss = float(ce.step(ids[cut], target=target[cut]))
     expected = nn.CrossEntropyLoss()(lm_ref(ids), target)
     expected.backward()
-    ref_grads = dict(lm_ref.named_parameters())
-    ce_grad = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in ce.named_parameters())
-    return {
-        "refused": refused, "kept": kept, "again": again,
-        "again_ref": float(nn.MSELoss()(ref(x), y)),
-        "ce": (ce_loss, float(expected), ce_grad),
-    }  # fmt: skip
+    out["ce"] = (ce_loss, float(expected), _grad_gap(ce, lm_ref))
+    return out
 
 
 def _uneven_late(mesh: Any) -> dict[str, Any]:
     """pp1 x dp2, the closing on the device (as on CUDA, where reading the replicas' row
-    counts at once would wait for the GPU): the uneven call returns, the next call is
-    refused on every process naming the previous one, and the call after it equals one
-    process."""
+    counts at once would wait for the GPU). dp=None: the uneven call is weighted by rows on
+    the device, as one process. dp="ddp": the uneven call returns, the next call is refused
+    on every process naming the previous one, and the call after it equals one process."""
     me = mesh.get_local_rank("dp")
     torch.manual_seed(3)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     ref = copy.deepcopy(model)
-    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 2, loss_fn=nn.MSELoss(), timeout=60)
+    expected = nn.MSELoss()(ref(x), y)
+    expected.backward()
     half = slice(0, 4) if me == 0 else slice(4, 8)
     uneven = slice(0, 3) if me == 0 else slice(3, 8)
-    out: dict[str, Any] = {"first": float(pipe.step(x[half], target=y[half]))}
+    out: dict[str, Any] = {"expected": float(expected)}
+    exact = meshpipe.Pipeline(copy.deepcopy(model), mesh, "1f1b", 2, loss_fn=nn.MSELoss(),
+                              timeout=60)  # fmt: skip
+    out["exact"] = float(exact.step(x[uneven], target=y[uneven]))
+    out["exact_grad"] = _grad_gap(exact, ref)
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", 2, loss_fn=nn.MSELoss(), dp="ddp", timeout=60)
+    out["first"] = float(pipe.step(x[half], target=y[half]))
     out["uneven"] = float(pipe.step(x[uneven], target=y[uneven]))  # returns: read later
     try:
         pipe.step(x[half], target=y[half])
@@ -204,13 +231,7 @@ def _uneven_late(mesh: Any) -> dict[str, Any]:
         out["refused"] = str(e)
     pipe.zero_grad()
     out["again"] = float(pipe.step(x[half], target=y[half]))
-    expected = nn.MSELoss()(ref(x), y)
-    expected.backward()
-    ref_grads = dict(ref.named_parameters())
-    out["grad"] = max(
-        (p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters()
-    )
-    out["expected"] = float(expected)
+    out["grad"] = _grad_gap(pipe, ref)
     return out
 
 
@@ -225,14 +246,21 @@ def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
         assert "MSELoss(reduction='sum')" in got["refused"], got
         assert len(got["warned"]) == 1 and "'1'" in got["warned"][0], got
         uneven = got["uneven"]
+        assert abs(uneven["naive"] - uneven["expected"]) > 0.01, uneven  # tells them apart
+        assert abs(uneven["exact"] - uneven["expected"]) < ATOL, uneven
+        assert uneven["exact_grad"] < ATOL and uneven["window_grad"] < ATOL, uneven
+        assert abs(uneven["window"] - uneven["expected"]) < ATOL, uneven
         assert "replicas passed different numbers of rows" in uneven["refused"], uneven
+        assert "dp='ddp'" in uneven["refused"], uneven
         assert uneven["kept"], uneven  # the refused call's gradients were dropped
-        assert abs(uneven["again"] - uneven["again_ref"]) < ATOL, uneven
+        assert abs(uneven["again"] - uneven["expected"]) < ATOL, uneven
         loss, expected, grad = uneven["ce"]
         assert abs(loss - expected) < ATOL and grad < ATOL, uneven
         loss, expected, grad = got["token"]
         assert abs(loss - expected) < ATOL and grad < ATOL, got["token"]
         late = got["uneven_late"]
+        assert abs(late["exact"] - late["expected"]) < ATOL, late
+        assert late["exact_grad"] < ATOL, late
         assert "in the previous call" in late["refused"], late
         assert abs(late["first"] - late["expected"]) < ATOL, late
         assert abs(late["again"] - late["expected"]) < ATOL and late["grad"] < ATOL, late

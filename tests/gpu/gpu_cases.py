@@ -139,15 +139,19 @@ def host_syncs(device: str) -> dict[str, int]:
 def host_syncs_dp(device: str) -> dict[str, Any]:
     """The same at pp=2 x dp=2 (4 processes), 1f1b, with meshpipe's own gradient
     reduction (dp=None: its buckets), with the replica gradient sync (dp="ddp", its wait a
-    stream wait under the watchdog) and with FSDP2; and ``uneven``:
-    four steps of a mean loss, the second with 3 and 5 rows on the two replicas ("ok" or
-    the error, per step; on CUDA the replicas' row counts are read by the next call)."""
+    stream wait under the watchdog) and with FSDP2; ``uneven``: four steps of a mean loss
+    with dp="ddp", the second with 3 and 5 rows on the two replicas ("ok" or the error, per
+    step; on CUDA the replicas' row counts are read by the next call); ``weighted``: the
+    same uneven step with dp=None, weighted by rows on the device: |loss - one process's|
+    and the worst gradient gap."""
     mesh = make_mesh(device, False, pp=2, dp=2)
     out: dict[str, Any] = {
         str(dp): _syncs_in_third_step(mesh, "1f1b", 16, dp=dp) for dp in (None, "ddp", "fsdp")
     }
     dev, me = _dev(mesh), mesh.get_local_rank("dp")
-    pipe = meshpipe.Pipeline(blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=WAIT)
+    pipe = meshpipe.Pipeline(
+        blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse, dp="ddp", timeout=WAIT
+    )
     x, y = torch.randn(8, 16, device=dev), torch.randn(8, 16, device=dev)
     even, uneven = slice(4 * me, 4 * me + 4), slice(0, 3) if me == 0 else slice(3, 8)
     out["uneven"] = []
@@ -157,6 +161,15 @@ def host_syncs_dp(device: str) -> dict[str, Any]:
             out["uneven"].append("ok")
         except meshpipe.PipelineError as e:
             out["uneven"].append(str(e))
+    model = blocks(4).to(dev)
+    ref = copy.deepcopy(model)
+    expected = mse(ref(x), y)
+    expected.backward()
+    refs = dict(ref.named_parameters())
+    pipe = meshpipe.Pipeline(model, mesh, "1f1b", num_microbatches=2, loss_fn=mse, timeout=WAIT)
+    loss = float(pipe.step(x[uneven], target=y[uneven]))
+    grad = max((p.grad - refs[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+    out["weighted"] = (abs(loss - float(expected)), grad)
     return out
 
 

@@ -58,10 +58,12 @@ def test_steady_state_step_with_dp_has_no_host_sync() -> None:
     results = run_on_ranks(host_syncs_dp, 4, "cuda", timeout=200, device="cuda")
     for rank, res in enumerate(results):
         assert res["None"] == res["ddp"] == res["fsdp"] == 0, f"rank {rank}: {res}"
-        # replicas of other sizes with a mean loss: refused by the next call, on every rank
+        # replicas of other sizes with a mean loss, dp="ddp": refused by the next call, on
+        # every rank; dp=None: weighted by their rows, as one process
         first, uneven, refused, after = res["uneven"]
         assert first == uneven == after == "ok", (rank, res)
         assert "different numbers of rows in the previous call" in refused, (rank, res)
+        assert max(res["weighted"]) <= ATOL, (rank, res)
 
 
 def test_64mib_activations_complete() -> None:

@@ -57,6 +57,10 @@ class Bucket:
         self.flat = torch.cat(pieces) if pieces else torch.zeros(0)
         self._all_had = all(had)
 
+    def weigh(self, weight: float | torch.Tensor) -> None:
+        """The gradients (not the flags after them) multiplied by ``weight``."""
+        self.flat[: self.flat.numel() - len(self.params)].mul_(weight)
+
     def point_back(self) -> None:
         """Each parameter's gradient becomes its slice of ``flat`` (a DTensor of its layout
         for tensor-parallel parameters)."""

@@ -15,8 +15,10 @@ RemoteStageError; the peers' end markers are read after this collective (Comm.en
 they cost no round trip. On
 CUDA reading it would make the host wait for the GPU in every step, so failed processes do
 not join there; the others' bounded waits (the watchdog) end the step instead, and the dp
-replicas' row counts (a mean loss over replicas of different sizes is refused) are read by
-the next call (:class:`RowsLater`).
+replicas' row counts (a mean loss over replicas of different sizes is refused where the
+gradients were reduced before they were known: dp='ddp', 'fsdp', 'hsdp', experts) are read
+by the next call (:class:`RowsLater`). With dp=None such replicas are weighted by their
+rows instead, on either path.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-CLOSING_NUMBERS = 6  # loss sum, count sum, pairs, failures, rows, rows squared
+# loss sum, count sum, pairs, failures, rows, rows squared, loss sum weighted by rows
+CLOSING_NUMBERS = 7
 
 
 def reads_closing(device: torch.device) -> bool:
@@ -117,16 +120,19 @@ def reduce_loss_host(
     posted: Posted | None,
     routes: Routes | None = None,
     rows: int = 0,
-) -> tuple[torch.Tensor, float, int, str]:
+    exact: bool = False,
+) -> tuple[torch.Tensor, float, int, str, float]:
     """runtime/step/reduce.py's ``reduce_loss`` on a CPU mesh, where reading a value waits
-    for nothing: (loss as a 0-dim float64 tensor, gradient scale, failures, and why the dp
-    replicas' losses cannot be averaged, or ""). The numbers (weighted loss sum, count sum,
-    pairs, failures, rows, rows squared) are Python floats, summed over the groups in their
+    for nothing: (loss as a 0-dim float64 tensor, gradient scale, failures, why the dp
+    replicas' losses cannot be averaged or "", and this replica's gradient weight). The
+    numbers (CLOSING_NUMBERS) are Python floats, summed over the groups in their
     order (the same bits on every process, as the tensor path's sums), and only the loss
     becomes a tensor: the closing costs its exchange and one tensor instead of some twenty
     operations on 0-dim tensors. ``rows``: the rows of this process's replica in the call
     (a mean loss averages the replicas' losses, which is the whole batch's mean only when
-    they hold as many rows: :func:`uneven_rows`). ``posted``: the receives of the
+    they hold as many rows: with ``exact`` the replicas are then weighted by their rows,
+    the loss here and the gradients by the weight returned, which the caller applies
+    before the dp sum; without, :func:`uneven_rows` refuses). ``posted``: the receives of the
     exchange over ``pp_group`` posted ahead by the step (:func:`closing_ahead`), used or
     kept alive here; ``routes``: that exchange's (runtime/transfer/exchange.py); ``tag``: the
     Pipeline's closing tag (:func:`closing_tag`)."""
@@ -144,12 +150,16 @@ def reduce_loss_host(
                 what = "the loss all-reduce over dp"
                 buf = _sum_on_host(buf, dp_group, what, timeout, tag)
                 dp_size = group_view(dp_group).size
+        weight, uneven = 1.0, ""
         if buf[2] > 0.5 * dp_size:  # (sum, count) pairs; stage meshes: one 1 per contributor
             loss, scale = _divide(buf[0], buf[1]), _divide(1.0, buf[1])
         else:
             loss, scale = buf[0] / dp_size, 1.0 / dp_size
-        uneven = "" if stage_meshes else uneven_rows(buf[4], buf[5], dp_size)
-        return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3]), uneven
+            if not stage_meshes:
+                uneven = uneven_rows(buf[4], buf[5], dp_size)
+            if uneven and exact:  # each replica weighted by its rows (1.0 when even)
+                loss, weight, uneven = buf[6] / buf[4], rows * dp_size / buf[4], ""
+        return torch.tensor(loss, dtype=torch.float64), scale, int(buf[3]), uneven, weight
     except BaseException:
         if posted is not None:  # not used (an exchange that used them keeps its own)
             posted.keep()
@@ -159,8 +169,9 @@ def reduce_loss_host(
 def _local_numbers(
     records: Mapping[int, LossRecord], holds_last_stage: bool, failed: bool, rows: int
 ) -> list[float]:
-    """This process's (weighted loss sum, count sum, pairs, failures, rows, rows squared) of
-    the step; rows from the last stage of a mean loss only (once per replica)."""
+    """This process's (weighted loss sum, count sum, pairs, failures, rows, rows squared,
+    loss sum times rows) of the step; rows from the last stage of a mean loss only (once
+    per replica)."""
     buf = [0.0] * CLOSING_NUMBERS
     if failed:
         buf[3] = 1.0
@@ -182,7 +193,7 @@ def _local_numbers(
         if pairs:
             buf[1], buf[2] = float(counts), 1.0
         else:
-            buf[4], buf[5] = float(rows), float(rows) ** 2
+            buf[4], buf[5], buf[6] = float(rows), float(rows) ** 2, total * rows
     return buf
 
 
@@ -206,10 +217,12 @@ def uneven_rows(rows: float, squares: float, replicas: int, late: bool = False) 
     return (
         f"the {replicas} data-parallel replicas passed different numbers of rows in {which} "
         f"({int(rows)} in all, {rows / replicas:g} on average): with a loss_fn returning a "
-        "mean, the step averages the replicas' losses and gradients alike, not weighted by "
-        "their rows as one process on the whole batch does. Give every replica the same "
-        "number of rows, or return a (sum, count) pair from loss_fn (exact for any split). "
-        f"{outcome}"
+        "mean and dp='ddp', 'fsdp' or 'hsdp' or expert parallelism, the gradients are "
+        "reduced over the replicas inside the backward, before their row counts are known, "
+        "so the step would average them alike, not weighted by their rows as one process on "
+        "the whole batch does. Give every replica the same number of rows, use dp=None "
+        "(meshpipe weighs the replicas by their rows), or return a (sum, count) pair from "
+        f"loss_fn (exact for any split). {outcome}"
     )
 
 

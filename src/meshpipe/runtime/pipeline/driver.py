@@ -294,7 +294,10 @@ class StepDriver:
         spmd, acc, topo, watchdog = self.spmd, self.accumulate, self.topology, self.watchdog
         factor = spmd.finish_step(self.timeout, watchdog)
         settle_grads(params)  # each in its parameter's layout (sequence parallel, embeddings)
-        loss, scale = self._close(losses, contributes)
+        # dp replicas of a mean loss with different row counts are weighted by them where
+        # the gradients are reduced here, after the closing (dp=None), else refused
+        exact = spmd.dp is None and spmd.expert_group is None
+        loss, scale, weight = self._close(losses, contributes, exact)
         if whole is not None and not topo.stage_meshes:
             whole.sync_grads()  # tied weights: sum over the stages holding them
         dp_group = topo.dp_group
@@ -304,33 +307,38 @@ class StepDriver:
         groups = [(plain, dp_group), (experts, spmd.expert_group)]
         if spmd.uses_fsdp:
             acc.check_uniform(scale * gs)
-        if not acc.usual:
-            acc.reduce(params, scale * gs, groups, self.timeout, watchdog)
+        if not acc.usual:  # kept locally until the window's end: weighted now
+            local = scale * gs if weight is None else scale * gs * weight
+            acc.reduce(params, local, groups, self.timeout, watchdog)
         elif spmd.grads_summed_elsewhere:
             reduce_grads(plain, scale * factor * gs, None)
             reduce_grads(experts, scale * gs, spmd.expert_group, self.timeout, watchdog)
         else:
             for group_params, group in groups:
-                reduce_grads(group_params, scale * gs, group, self.timeout, watchdog)
+                reduce_grads(group_params, scale * gs, group, self.timeout, watchdog, weight)
         if whole is not None and topo.stage_meshes:
             whole.sync_grads()  # stage meshes: after dp, as whole-mesh means
         return loss
 
-    def _close(self, records: Any, contributes: bool) -> tuple[torch.Tensor, torch.Tensor | float]:
-        """The step's closing collective: (loss, gradient scale), the same on every rank (on
-        a CPU mesh computed on the host, into the receives posted ahead); then a failure of
-        any process raised here, else the peers' end markers read (``stop_if_failed``).
-        On a CPU mesh, dp replicas of a mean loss that held different numbers of rows are
-        refused here, after the end markers are read, on every process alike
-        (failures/closing.py, ``uneven_rows``); on CUDA by the next call (``RowsLater``):
+    def _close(
+        self, records: Any, contributes: bool, exact: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | float | None]:
+        """The step's closing collective: (loss, gradient scale, this replica's gradient
+        weight or None), the loss and scale the same on every rank (on a CPU mesh computed
+        on the host, into the receives posted ahead); then a failure of any process raised
+        here, else the peers' end markers read (``stop_if_failed``). dp replicas of a mean
+        loss that held different numbers of rows are weighted by their rows with
+        ``exact`` (the weight: runtime/step/reduce.py, ``reduce_loss``); without, refused
+        on a CPU mesh here, after the end markers are read, on every process alike
+        (failures/closing.py, ``uneven_rows``), on CUDA by the next call (``RowsLater``):
         reading them here would wait for the GPU."""
         topo = self.topology
         rows = sum(self.inputs.whole_rows)  # this replica's, for the uneven-rows check
         if reads_closing(topo.device):
-            loss, scale, failures, uneven = reduce_loss_host(
+            loss, scale, failures, uneven, weight = reduce_loss_host(
                 records, contributes, topo.pp_group, topo.dp_group, self.timeout,
                 self.closing_tag, topo.stage_meshes, False, self.take_closing(),
-                self.closing_routes, rows,
+                self.closing_routes, rows, exact,
             )  # fmt: skip
             self.stop_if_failed(failures)
             if uneven:
@@ -338,16 +346,16 @@ class StepDriver:
                 err = PipelineError(uneven)
                 err.meshpipe_refusal = True  # type: ignore[attr-defined]
                 raise err
-            return loss, scale
-        loss_t, scale_t, failures_t, rows_t = reduce_loss(
+            return loss, scale, weight
+        loss_t, scale_t, failures_t, rows_t, weight_t = reduce_loss(
             records, contributes, topo.pp_group, topo.dp_group, topo.device,
             timeout=self.timeout, watchdog=self.watchdog, stage_meshes=topo.stage_meshes,
-            rows=rows,
+            rows=rows, exact=exact,
         )  # fmt: skip
         self.stop_if_failed(failures_t)
-        if self.rows_later is not None:
+        if self.rows_later is not None and weight_t is None:
             self.rows_later.start(rows_t)
-        return loss_t, scale_t
+        return loss_t, scale_t, weight_t
 
     def reduce_failed(self, e: BaseException) -> BaseException:
         """The error a failure in the end-of-step reductions raises, reported."""
@@ -369,7 +377,7 @@ class StepDriver:
         """End of an eval step: the loss agreed over pp and dp, then (``with_metrics``) the
         metrics, sent from global rank ``src`` (the last stage's), reduced alike."""
         topo = self.topology
-        loss, _ = self._close(records, contributes)
+        loss, _, _ = self._close(records, contributes, True)  # no gradients: rows weigh the loss
         self.done()
         if not with_metrics:
             return loss, None

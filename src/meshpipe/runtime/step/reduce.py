@@ -31,12 +31,17 @@ def reduce_loss(
     stage_meshes: bool = False,
     failed: bool = False,
     rows: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, gradient scale, failures, rows) as float64 tensors on ``device``, equal on
-    every rank, nothing read on the host. ``rows`` (2 numbers): the dp replicas' rows in
-    the call and their squares, each summed, for a mean loss (``rows`` is this process's
-    replica's, counted by its last stage; failures/closing.py's ``uneven_rows`` reads
-    them, one call later on CUDA). ``failures`` counts the processes that joined
+    exact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(loss, gradient scale, failures, rows, weight) as float64 tensors on ``device``,
+    equal on every rank but the weight, nothing read on the host. ``rows`` (2 numbers): the
+    dp replicas' rows in the call and their squares, each summed, for a mean loss (``rows``
+    is this process's replica's, counted by its last stage; failures/closing.py's
+    ``uneven_rows`` reads them, one call later on CUDA). With ``exact`` and dp, replicas
+    of a mean loss that held different numbers of rows are weighted by them: the loss
+    here, the gradients by ``weight`` (this replica's rows x dp size / all rows: exactly
+    1 when they are even), which the caller multiplies this process's gradients by
+    before the dp sum; otherwise ``weight`` is None. ``failures`` counts the processes that joined
     with ``failed=True`` (a process whose step failed joins this closing collective
     instead of the rest of the step, so that every rank learns of it: see Pipeline, CPU
     meshes; there runtime/failures/closing.py's ``reduce_loss_host`` computes the same on
@@ -51,7 +56,7 @@ def reduce_loss(
     their share of it: the processes passing ``holds_last_stage`` (the last stage's mesh, tp
     coordinate 0) are summed over ``pp_group`` (the world); no averaging over dp.
     """
-    buf = torch.zeros(6, dtype=torch.float64, device=device)
+    buf = torch.zeros(7, dtype=torch.float64, device=device)
     if failed:
         buf[3] = 1.0
     elif holds_last_stage and records:
@@ -69,12 +74,19 @@ def reduce_loss(
             buf[2] = 1.0
         else:  # host numbers into a device tensor: a fill, no wait
             buf[4], buf[5] = float(rows), float(rows) ** 2
+            buf[6] = buf[0] * rows
     dp_size = _share(buf, "loss", pp_group, dp_group, stage_meshes, timeout, watchdog)
     # read nothing on the host: a total count of 0 gives inf/nan, as in plain PyTorch
     is_pair = buf[2] > 0.5 * dp_size  # stage meshes: one 1 per contributing process
-    loss = torch.where(is_pair, buf[0] / buf[1], buf[0] / dp_size)
+    mean = buf[0] / dp_size
+    weight = None
+    if exact and dp_size > 1 and not stage_meshes:
+        uneven = buf[5] * dp_size != buf[4] * buf[4]
+        mean = torch.where(uneven, buf[6] / buf[4], mean)
+        weight = torch.where(is_pair | ~uneven, 1.0, rows * dp_size / buf[4])
+    loss = torch.where(is_pair, buf[0] / buf[1], mean)
     scale = torch.where(is_pair, 1.0 / buf[1], torch.full_like(buf[0], 1.0 / dp_size))
-    return loss, scale, buf[3], buf[4:]
+    return loss, scale, buf[3], buf[4:6], weight
 
 
 def _broadcast_names(
@@ -149,10 +161,15 @@ def reduce_grads(
     dp_group: dist.ProcessGroup | None,
     timeout: float = 300.0,
     watchdog: Watchdog | None = None,
+    weight: float | torch.Tensor | None = None,
 ) -> None:
-    """Sum gradients over dp in one coalesced all-reduce, then multiply by ``scale``."""
+    """Sum gradients over dp in one coalesced all-reduce, then multiply by ``scale``;
+    ``weight``: this process's gradients multiplied by it before the sum (a replica's
+    share of the rows, reduce_loss)."""
     if dp_group is not None and params:
         for bucket in buckets(params):  # tensor-parallel gradients: their local shards
+            if weight is not None and not (isinstance(weight, float) and weight == 1.0):
+                bucket.weigh(weight)
             work = dist.all_reduce(bucket.flat, group=dp_group, async_op=True)
             wait_bounded(work, timeout, "the gradient all-reduce over dp", watchdog)
             bucket.point_back()
