@@ -180,10 +180,84 @@ def _qwen3_tp(mesh: Any) -> dict[str, Any]:
     return {**gaps, "norms": len(norms), "norms_whole": whole}
 
 
+def _mixtral_tp(mesh: Any) -> dict[str, Any]:
+    """Mixtral with tp_plan="auto": each expert's gate/up and down weights split over tp
+    (meshpipe.parallel.ExpertsTP, transformers' moe_tp_experts), the partial outputs summed;
+    3 AdamW steps against one process, and the weights' layouts and local shapes."""
+    from torch.distributed.tensor import DTensor
+
+    import ep_models as em
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = em.mixtral()
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "zbv", 4, loss_fn=sm.lm_loss, tp_plan="auto",
+        split_points=["model.layers.1", "model.layers.2", "model.layers.3"],
+    )  # fmt: skip
+    gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
+    local = {
+        n.rsplit(".", 1)[-1]: tuple(p.to_local().shape)
+        for n, p in pipe.named_parameters()
+        if ".experts." in n and isinstance(p, DTensor)
+    }
+    return {**gaps, "local": local, "checkpoint": _mixtral_checkpoint(pipe, mesh)}
+
+
+def _mixtral_checkpoint(pipe: meshpipe.Pipeline, mesh: Any) -> dict[str, float]:
+    """The experts' split weights (``_StridedShard``, which DCP cannot lay out alone) and their
+    AdamW state saved, then loaded into a Pipeline split elsewhere: the largest gaps."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import ep_models as em
+    import split_models as sm
+
+    (ids,), kwargs, target = _lm_batches()[0]
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe.step(ids, target=target, **kwargs)
+    opt.step()  # some optimizer state to save
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = f"{box[0]}/ck"
+    meshpipe.checkpoint.save(pipe, path, optimizer=opt)
+    mine = (
+        {n: _whole(p) for n, p in pipe.named_parameters()},
+        {n: _whole(opt.state[p]["exp_avg"]) for n, p in pipe.named_parameters()},
+    )
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # the other split holds other parameters here
+    saved = {n: t for held, _ in every for n, t in held.items()}
+    moments = {n: t for _, held in every for n, t in held.items()}
+    torch.manual_seed(7)
+    other = meshpipe.Pipeline(
+        em.mixtral(), mesh, "1f1b", 2, loss_fn=sm.lm_loss, tp_plan="auto",
+        split_points=["model.layers.1"],
+    )  # fmt: skip
+    other.step(ids, target=target, **kwargs)  # split before loading
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other_opt.step()
+    meshpipe.checkpoint.load(other, path, optimizer=other_opt)
+    dist.barrier()
+    params = max((_whole(p) - saved[n]).abs().max().item() for n, p in other.named_parameters())
+    state = max(
+        (_whole(other_opt.state[p]["exp_avg"]) - moments[n]).abs().max().item()
+        for n, p in other.named_parameters()
+    )
+    return {"params": params, "state": state}
+
+
+def _whole(t: Any) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
 def _llama_worker() -> dict[str, Any]:
     torch.set_num_threads(1)
     res = _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["qwen3"] = _qwen3_tp(meshpipe.init_mesh(pp=2, tp=2))
+    res["mixtral"] = _mixtral_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["tied"] = _tied_tp(meshpipe.init_mesh(pp=2, tp=2), meshpipe.init_mesh(pp=1, dp=2, tp=2))
     return res
 
@@ -198,6 +272,16 @@ def test_qwen3_per_head_norms_under_tp_match_one_process() -> None:
         r = res["qwen3"]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
         assert r["norms"] == 4 and r["norms_whole"], (rank, r)  # q and k norm of 2 layers
+
+
+def test_mixtral_experts_split_over_tp_match_one_process() -> None:
+    for rank, res in enumerate(_llama_results()):
+        r = res["mixtral"]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
+        # 4 experts, inner 32: each rank holds half of the gate's and of the up's rows
+        assert r["local"] == {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)}, (rank, r)
+        # saved whole, loaded into another split: parameters and AdamW moments as saved
+        assert r["checkpoint"] == {"params": 0.0, "state": 0.0}, (rank, r)
 
 
 def test_tied_head_and_embedding_laid_out_alike_under_tp() -> None:

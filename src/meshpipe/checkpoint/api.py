@@ -25,6 +25,7 @@ from meshpipe.checkpoint.state import (
     optimizer_state,
     raise_gathered,
 )
+from meshpipe.checkpoint.strided import whole
 from meshpipe.checkpoint.target import Target, as_target
 
 __all__ = ["save", "load", "FORMAT", "VERSION"]
@@ -37,11 +38,11 @@ def _local_save_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError(f"extra must be a dict or None, got {type(extra).__name__}")
-    state = {MODEL + k: v for k, v in model_state(t.modules).items()}
+    state = {MODEL + k: whole(v) for k, v in model_state(t.modules).items()}
     info: dict[str, Any] = {"extra": encode(extra or {}), "optim": None}
     if optimizer is not None:
         tensors, info["optim"] = optimizer_state(optimizer, t.named_params)
-        state.update(tensors)
+        state.update({k: whole(v) for k, v in tensors.items()})
     return state, info
 
 

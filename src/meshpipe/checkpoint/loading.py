@@ -37,6 +37,7 @@ from meshpipe.checkpoint.state import (
     optimizer_request,
     raise_gathered,
 )
+from meshpipe.checkpoint.strided import request_for, resharded
 from meshpipe.checkpoint.target import Target, as_target
 from meshpipe.checkpoint.verify import Sums, check_data, check_metadata, data_files, recorded
 
@@ -61,7 +62,7 @@ class _Plan:
             self.commit_optimizer()
         with torch.no_grad():
             for key, live in self.targets.items():
-                live.copy_(self.request[key])
+                live.copy_(resharded(self.request[key], live))
 
 
 def _checksums(t: Target, directory: str, record: dict[str, Any], verify: bool) -> Sums | None:
@@ -117,7 +118,7 @@ def _plan_load(
     missing, mismatched = compare(local, saved)
     plan = _Plan(directory, extra=_extra_for(t, record, directory))
     plan.targets = {MODEL + k: v for k, v in local.items() if k in saved}
-    plan.request = {k: torch.empty_like(v) for k, v in plan.targets.items()}
+    plan.request = {k: request_for(v) for k, v in plan.targets.items()}
     if optimizer is not None:
         if record["optimizer"] is None:
             raise CheckpointError(f"{directory} holds no optimizer state", path=directory)

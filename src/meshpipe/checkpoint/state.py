@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from meshpipe.checkpoint.errors import CheckpointError
 from meshpipe.checkpoint.extra import decode, encode
+from meshpipe.checkpoint.strided import is_strided, request_for, resharded
 from meshpipe.checkpoint.target import is_dtensor, shape_of
 
 __all__ = [
@@ -155,7 +156,7 @@ def _allocate(md: TensorStorageMetadata, param: torch.Tensor) -> torch.Tensor:
     dtype = md.properties.dtype
     if size == shape_of(param):
         # same shape as the parameter: same device and, for a DTensor, the same sharding
-        return torch.empty_like(param.detach(), dtype=dtype)
+        return request_for(param, dtype)
     device = param.device if size and not is_dtensor(param) else torch.device("cpu")
     return torch.empty(size, dtype=dtype, device=device)
 
@@ -246,11 +247,15 @@ def optimizer_load(
     native = optimizer.state_dict()
     state: dict[int, dict[str, Any]] = {}
     copies: Copies = []
+    # whole values DCP loads for strided parameters' state, cut to this rank's slice at
+    # commit (DCP fills them after this returns): (entry, state key, parameter)
+    strided: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     index = 0
     for group, named in zip(native["param_groups"], _group_params(optimizer, named_params)):
         copies += _set_hparams(group, [n for n, _ in named], hparams)
-        for name, _ in named:
-            entry = dict(by_name.get(name, {}))
+        for name, param in named:
+            entry: dict[str, Any] = dict(by_name.get(name, {}))
+            strided.extend((entry, k, param) for k, v in entry.items() if is_strided(param))
             values = decode(scalars.get(name, {}))
             if not isinstance(values, dict):
                 raise CheckpointError(f"the saved optimizer state of {name!r} is not an object")
@@ -264,6 +269,9 @@ def optimizer_load(
         with torch.no_grad():
             for current, value in copies:
                 current.copy_(value)
+        for entry, key, param in strided:
+            if shape_of(entry[key]) == shape_of(param):
+                entry[key] = resharded(entry[key], param)
         optimizer.load_state_dict(to_load)
 
     return commit

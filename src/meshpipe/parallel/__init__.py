@@ -5,6 +5,7 @@ from meshpipe.parallel.conv1d import Conv1DColwise, Conv1DRowwise
 from meshpipe.parallel.ddp import GradSync
 from meshpipe.parallel.fsdp import apply_fsdp, fsdp_begin_step, fsdp_reduce
 from meshpipe.parallel.hf_plan import auto_tp_plan
+from meshpipe.parallel.moe_tp import ExpertsTP
 from meshpipe.parallel.replicated import ReplicatedGradSum
 from meshpipe.parallel.tp import apply_tp, check_tp_plan
 
@@ -13,6 +14,7 @@ __all__ = [
     "Conv1DRowwise",
     "GradSync",
     "ReplicatedGradSum",
+    "ExpertsTP",
     "auto_tp_plan",
     "apply_fsdp",
     "apply_tp",

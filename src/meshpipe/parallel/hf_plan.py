@@ -4,6 +4,7 @@ parallel styles keyed by the model's own module names (see docs/parallel.md)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
@@ -16,11 +17,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshpipe.errors import PipelineError
+from meshpipe.parallel.moe_tp import ExpertsTP
 from meshpipe.parallel.replicated import ReplicatedGradSum
 
 __all__ = ["auto_ep_plan", "auto_tp_plan", "HF_STYLES"]
 
 EP_EXPERTS = "ep_dispatch_experts"  # the style transformers gives an experts module
+TP_EXPERTS = "moe_tp_experts"  # its style under tp: the weights' entries name their styles
+_EXPERT_WEIGHTS = {"packed_colwise": "packed", "rowwise": "rowwise"}
 
 # transformers' style names -> torch's parallel styles (their meaning for nn.Linear)
 HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
@@ -70,8 +74,14 @@ def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
             "base_model_tp_plan); pass tp_plan={pattern: ParallelStyle} (docs/parallel.md "
             "shows one for GPT-2)"
         )
-    plan: dict[str, ParallelStyle] = {}
+    experts = _experts_styles(model, declared)
+    plan: dict[str, ParallelStyle] = dict(experts)
+    names = [n for n, _ in model.named_modules() if n]
     for key, style in declared.items():
+        if key in experts or any(key.startswith(f"{k}.") for k in experts):
+            continue  # an experts module, or one of its weights (ExpertsTP)
+        if not any(fnmatchcase(n, key) for n in names):
+            continue  # the plan names layers this configuration lacks (dense MLPs of a MoE)
         make = HF_STYLES.get(str(style))
         if make is None:
             raise PipelineError(
@@ -81,6 +91,30 @@ def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
             )
         plan[key] = make()
     return plan
+
+
+def _experts_styles(model: nn.Module, declared: dict[str, str]) -> dict[str, ParallelStyle]:
+    """One ExpertsTP per experts module of the plan (style ``moe_tp_experts``), from the
+    styles the plan gives its weights (``<module>.<weight>``: packed_colwise or rowwise)."""
+    out: dict[str, ParallelStyle] = {}
+    for key, style in declared.items():
+        if style != TP_EXPERTS:
+            continue
+        kinds: dict[str, list[str]] = {"packed": [], "rowwise": []}
+        for sub, weight_style in declared.items():
+            if not sub.startswith(f"{key}.") or "." in sub[len(key) + 1 :]:
+                continue
+            kind = _EXPERT_WEIGHTS.get(str(weight_style))
+            if kind is None:
+                raise PipelineError(
+                    f"{type(model).__name__}'s tp plan gives the experts weight {sub!r} the "
+                    f"style {weight_style!r}; tp_plan='auto' splits experts weights "
+                    f"{sorted(_EXPERT_WEIGHTS)} only (meshpipe.parallel.ExpertsTP); pass an "
+                    "explicit tp_plan={...} or use ep"
+                )
+            kinds[kind].append(sub[len(key) + 1 :])
+        out[key] = ExpertsTP(packed=kinds["packed"], rowwise=kinds["rowwise"])
+    return out
 
 
 def auto_ep_plan(model: Any) -> list[str]:
