@@ -30,6 +30,8 @@ def _model(kind: str) -> Any:
     from transformers import (
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -43,8 +45,13 @@ def _model(kind: str) -> Any:
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
     }[kind]
-    extra = {"qwen3": {"head_dim": 8}, "phi3": {"pad_token_id": 0}}.get(kind, {})
+    extra = {
+        "qwen3": {"head_dim": 8},
+        "phi3": {"pad_token_id": 0},
+        "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    }.get(kind, {})
     cfg = config(
         num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=sm.VOCAB, max_position_embeddings=32, **extra,
@@ -224,6 +231,8 @@ def _worker() -> dict[str, Any]:
         # per-head q/k norms replicated over tp (ReplicatedGradSum); a fused qkv
         "qwen3 pp2 tp2": _greedy("qwen3", tp2, 2, tp_plan="auto"),
         "phi3 pp2": _greedy("phi3", pp2, 2),
+        # a MoE, its experts split over tp (ExpertsTP: partial outputs summed)
+        "mixtral pp2 tp2": _greedy("mixtral", tp2, 2, tp_plan="auto"),
     }
     res["sampled"] = {
         "pp2 lanes=1": _sampled(pp2, 2, 1, seed=7),
@@ -248,7 +257,7 @@ def _results() -> list[dict[str, Any]]:
     "case",
     [
         "llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4", "llama pp2 tp2",
-        "llama stage meshes", "qwen3 pp2 tp2", "phi3 pp2",
+        "llama stage meshes", "qwen3 pp2 tp2", "phi3 pp2", "mixtral pp2 tp2",
     ],
 )  # fmt: skip
 def test_greedy_matches_hugging_face_generate(case: str) -> None:

@@ -62,7 +62,10 @@ _FAMILIES: dict[str, Family] = {
         positions="transformer.wpe",
         dropout="transformer.drop",
     ),  # fmt: skip
-    **{name: Family(name, **_ROPE) for name in ("llama", "qwen2", "qwen3", "mistral", "phi3")},
+    **{
+        name: Family(name, **_ROPE)
+        for name in ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "olmoe")
+    },
 }
 
 
