@@ -202,7 +202,31 @@ def _mixtral_tp(mesh: Any) -> dict[str, Any]:
         for n, p in pipe.named_parameters()
         if ".experts." in n and isinstance(p, DTensor)
     }
-    return {**gaps, "local": local, "checkpoint": _mixtral_checkpoint(pipe, mesh)}
+    return {
+        **gaps, "local": local, "checkpoint": _mixtral_checkpoint(pipe, mesh),
+        "biased": _refusal(lambda: _experts_with_bias(mesh["tp"])),
+    }  # fmt: skip
+
+
+def _experts_with_bias(tp_mesh: Any) -> None:
+    """ExpertsTP on stacked experts that also hold a bias (counted tp times after the sum)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from meshpipe.parallel import ExpertsTP
+
+    experts = nn.Module()
+    experts.gate_up_proj = nn.Parameter(torch.zeros(4, 8, 4))
+    experts.down_proj = nn.Parameter(torch.zeros(4, 4, 4))
+    experts.down_bias = nn.Parameter(torch.zeros(4, 4))
+    parallelize_module(experts, tp_mesh, ExpertsTP())
+
+
+def _refusal(fn: Any) -> str:
+    try:
+        fn()
+    except meshpipe.PipelineError as e:
+        return str(e)
+    return ""
 
 
 def _mixtral_checkpoint(pipe: meshpipe.Pipeline, mesh: Any) -> dict[str, float]:
@@ -282,6 +306,7 @@ def test_mixtral_experts_split_over_tp_match_one_process() -> None:
         assert r["local"] == {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)}, (rank, r)
         # saved whole, loaded into another split: parameters and AdamW moments as saved
         assert r["checkpoint"] == {"params": 0.0, "state": 0.0}, (rank, r)
+        assert "cannot split ['down_bias']" in r["biased"], (rank, r)
 
 
 def test_tied_head_and_embedding_laid_out_alike_under_tp() -> None:

@@ -126,16 +126,25 @@ def _local_call(names: tuple[str, ...], group: dist.ProcessGroup) -> Any:
             if isinstance(p, DTensor):
                 module._parameters[name] = p.to_local()
                 module.__dict__.setdefault("_meshpipe_whole", {})[name] = p
-        # hidden states (and the routing weights, the third argument): gradients summed
-        args = tuple(
-            _SumBackward.apply(a, group)  # type: ignore[no-untyped-call]
-            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad
-            else a
-            for a in args
-        )
-        return args, kwargs
+        # hidden states and routing weights: their gradients summed over tp
+        return tuple(_summed_grad(a, group, module) for a in args), {
+            k: _summed_grad(v, group, module) for k, v in kwargs.items()
+        }
 
     return hook
+
+
+def _summed_grad(value: Any, group: dist.ProcessGroup, module: nn.Module) -> Any:
+    """A float input that takes a gradient, its gradient summed over tp; others as given."""
+    if isinstance(value, DTensor):
+        raise PipelineError(
+            f"ExpertsTP: {type(module).__name__} was given a DTensor input "
+            f"({value.placements}); the style takes the hidden states whole on every tp "
+            "rank as a local tensor (no sequence parallelism around the experts)"
+        )
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
+        return _SumBackward.apply(value, group)  # type: ignore[no-untyped-call]
+    return value
 
 
 def _summed(names: tuple[str, ...], group: dist.ProcessGroup) -> Any:
