@@ -58,18 +58,37 @@ last_stats = GenStats()
 
 
 def _window(family: Family, config: Any) -> int | None:
-    if family.name == "qwen2" and getattr(config, "use_sliding_window", False):
-        raise PipelineError("generate(): Qwen2 with use_sliding_window=True is not supported yet")
-    window = getattr(config, "sliding_window", None) if family.name == "mistral" else None
-    return window if isinstance(window, int) else None
+    """The sliding attention window every decoder layer uses, or None (full attention).
+
+    A config with ``layer_types`` (Qwen2, Qwen3, Qwen2-MoE, Gemma) names each layer's kind;
+    one without (Mistral, Mixtral, Phi-3) slides every layer when ``sliding_window`` is set.
+    Layers of both kinds in one model are refused: the cache path masks every layer alike."""
+    kinds = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if kinds:
+        distinct = set(kinds)
+        if distinct == {"full_attention"}:
+            return None
+        if distinct != {"sliding_attention"}:
+            raise PipelineError(
+                f"generate(): {family.name} with layers of kinds {sorted(distinct)} "
+                "(config.layer_types) is not supported: the cache path masks every layer "
+                "alike"
+            )
+    return window if isinstance(window, int) and window > 0 else None
 
 
 def _widths(family: Family, config: Any) -> tuple[int, ...]:
+    """Widths of the payload between stages: hidden, and for rope models cos and sin (the
+    rotated part of a head: StableLM rotates a quarter of it)."""
     hidden = int(config.hidden_size)
     if family.rotary is None:
         return (hidden,)
     head = getattr(config, "head_dim", None) or hidden // int(config.num_attention_heads)
-    return (hidden, int(head), int(head))
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
+    rotated = int(int(head) * float(factor)) if factor else int(head)
+    return (hidden, rotated, rotated)
 
 
 def _lanes(ids: torch.Tensor, mask: torch.Tensor, num_lanes: int) -> list[Lane]:

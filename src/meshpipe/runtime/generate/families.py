@@ -64,7 +64,17 @@ _FAMILIES: dict[str, Family] = {
     ),  # fmt: skip
     **{
         name: Family(name, **_ROPE)
-        for name in ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "olmoe")
+        for name in (
+            "llama",
+            "qwen2",
+            "qwen3",
+            "mistral",
+            "phi3",
+            "mixtral",
+            "qwen2_moe",
+            "olmoe",
+            "stablelm",
+        )  # fmt: skip
     },
 }
 
