@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -57,30 +58,42 @@ class GenStats:
 last_stats = GenStats()
 
 
-def _window(family: Family, config: Any) -> int | None:
-    """The sliding attention window every decoder layer uses, or None (full attention).
+def _windows(family: Family, config: Any) -> tuple[int | None, ...]:
+    """Per decoder layer, its sliding attention window, or None (full attention).
 
-    A config with ``layer_types`` (Qwen2, Qwen3, Qwen2-MoE, Gemma) names each layer's kind;
-    one without (Mistral, Mixtral, Phi-3) slides every layer when ``sliding_window`` is set.
-    Layers of both kinds in one model are refused: the cache path masks every layer alike."""
-    kinds = getattr(config, "layer_types", None)
+    A config with ``layer_types`` (Qwen2, Qwen3, Qwen2-MoE, Gemma 2 and 3) names each
+    layer's kind; one without (Mistral, Mixtral, Phi-3) slides every layer when
+    ``sliding_window`` is set. Other kinds of layer (chunked attention) are refused."""
+    num = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
-    if kinds:
-        distinct = set(kinds)
-        if distinct == {"full_attention"}:
-            return None
-        if distinct != {"sliding_attention"}:
-            raise PipelineError(
-                f"generate(): {family.name} with layers of kinds {sorted(distinct)} "
-                "(config.layer_types) is not supported: the cache path masks every layer "
-                "alike"
-            )
-    return window if isinstance(window, int) and window > 0 else None
+    window = window if isinstance(window, int) and window > 0 else None
+    kinds = getattr(config, "layer_types", None)
+    if not kinds:
+        return (window,) * num
+    other = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if other or ("sliding_attention" in kinds and window is None):
+        raise PipelineError(
+            f"generate(): {family.name}'s layers are of kinds {sorted(set(kinds))} "
+            f"(config.layer_types, sliding_window={window}); the cache path knows full "
+            "attention and sliding windows of a given size"
+        )
+    return tuple(window if k == "sliding_attention" else None for k in kinds[:num])
 
 
-def _widths(family: Family, config: Any) -> tuple[int, ...]:
+def rope_kinds(family: Family, config: Any, rotary: Any) -> tuple[str, ...] | None:
+    """The layer kinds whose rotary tables differ (Gemma 3: local and global bases, the
+    rotary module called with the kind), in order of first use; None for one table."""
+    kinds = getattr(config, "layer_types", None)
+    if family.rotary is None or not kinds or rotary is None:
+        return None
+    if "layer_type" not in inspect.signature(type(rotary).forward).parameters:
+        return None
+    return tuple(dict.fromkeys(kinds))
+
+
+def _widths(family: Family, config: Any, kinds: tuple[str, ...] | None) -> tuple[int, ...]:
     """Widths of the payload between stages: hidden, and for rope models cos and sin (the
-    rotated part of a head: StableLM rotates a quarter of it)."""
+    rotated part of a head: StableLM rotates a quarter of it), one pair per rotary kind."""
     hidden = int(config.hidden_size)
     if family.rotary is None:
         return (hidden,)
@@ -88,7 +101,14 @@ def _widths(family: Family, config: Any) -> tuple[int, ...]:
     rope = getattr(config, "rope_parameters", None) or {}
     factor = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
     rotated = int(int(head) * float(factor)) if factor else int(head)
-    return (hidden, rotated, rotated)
+    return (hidden, *(rotated,) * (2 * len(kinds or (None,))))
+
+
+def _outside_glue(family: Family) -> tuple[str, ...]:
+    """Glue stage 0 may lack and generation takes from the whole model: the rotary module
+    (traced into the glue when the split could not keep it: Gemma 3's). The same on every
+    rank; stage 0's process checks that it is not on the meta device (GenStage)."""
+    return () if family.rotary is None else (family.rotary,)
 
 
 def _lanes(ids: torch.Tensor, mask: torch.Tensor, num_lanes: int) -> list[Lane]:
@@ -134,7 +154,7 @@ def generate(
     eos = eos_ids(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
     sampling = Sampling(do_sample, float(temperature), top_k, top_p, seed)
-    window = _window(family, config)
+    windows = _windows(family, config)
     lanes_wanted = min(num_lanes or topo.pp_size, input_ids.shape[0])
     options = (max_new_tokens, sampling, (eos, pad), lanes_wanted, every)
     _agree_call(target, input_ids, mask, options)
@@ -144,8 +164,15 @@ def generate(
     target.ensure_split((input_ids,), split_kwargs)
     if target.whole is None or target.whole.stages is None:  # split just above
         raise PipelineError("internal: generate found the model not split")
-    parts = stage_parts(family, int(config.num_hidden_layers), target.whole.stages)
-    stages = {s: GenStage(family, parts[s], r.module) for s, r in target.runners.items()}
+    whole = target.whole.model
+    glue = _outside_glue(family)
+    parts = stage_parts(family, int(config.num_hidden_layers), target.whole.stages, glue)
+    rotary = None if family.rotary is None else whole.get_submodule(family.rotary)
+    kinds = rope_kinds(family, config, rotary)
+    stages = {
+        s: GenStage(family, parts[s], r.module, windows, kinds, config, whole)
+        for s, r in target.runners.items()
+    }
     device = topo.device
     lanes = _lanes(input_ids.to(device), mask.to(device), lanes_wanted)
     req = Request(
@@ -154,8 +181,8 @@ def generate(
         eos,
         pad,
         _dtype(target),
-        _widths(family, config),
-        window,
+        _widths(family, config, kinds),
+        tuple(sorted(set(windows), key=lambda w: -1 if w is None else w)),
         every,
     )
     order = decode_order(target.schedule.placement, len(lanes), max_new_tokens)

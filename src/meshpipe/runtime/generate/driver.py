@@ -52,7 +52,7 @@ class Request:
     pad: int | None
     dtype: torch.dtype  # hidden states on the wire
     widths: tuple[int, ...]  # last dims of the payload's tensors
-    window: int | None  # sliding window of the attention, if any
+    windows: tuple[int | None, ...]  # the layers' distinct sliding windows (None: full)
     every: int = 1  # the lanes' stop is read on the host after every ``every`` steps
 
     def checks(self, step: int) -> bool:
@@ -179,11 +179,12 @@ class _Rank:
             return
         cache = lane.caches.setdefault(a.stage, LaneCache(self.slots + self.req.max_new_tokens))
         cache.offset = 0 if a.step == 0 else self.slots + a.step - 1
+        dtype = self.req.dtype
         if a.step == 0:
-            mask = prefill_mask(lane.mask, self.req.dtype, self.req.window)
+            masks = {w: prefill_mask(lane.mask, dtype, w) for w in self.req.windows}
         else:
-            mask = decode_mask(lane.mask, a.step, self.req.dtype, self.req.window)
-        payload = self.stages[a.stage].run_layers(payload, mask, cache)
+            masks = {w: decode_mask(lane.mask, a.step, dtype, w) for w in self.req.windows}
+        payload = self.stages[a.stage].run_layers(payload, masks, cache)
         if a.stage < self.last:
             self.pass_on(a, payload)
         else:

@@ -74,6 +74,8 @@ _FAMILIES: dict[str, Family] = {
             "qwen2_moe",
             "olmoe",
             "stablelm",
+            "gemma2",
+            "gemma3_text",
         )  # fmt: skip
     },
 }

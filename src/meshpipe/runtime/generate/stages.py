@@ -17,7 +17,8 @@ from meshpipe.runtime.generate.families import Family, cache_keyword
 
 __all__ = ["StagePart", "stage_parts", "GenStage", "Payload"]
 
-Payload = tuple[torch.Tensor, ...]  # (hidden,) or, for rope models, (hidden, cos, sin)
+# (hidden,) or, for rope models, (hidden, cos, sin), or one (cos, sin) per rotary kind
+Payload = tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,13 @@ def _layer_indices(family: Family, units: Sequence[str]) -> list[int]:
     )
 
 
-def stage_parts(family: Family, num_layers: int, stages: Sequence[nn.Module]) -> list[StagePart]:
+def stage_parts(
+    family: Family, num_layers: int, stages: Sequence[nn.Module], glue: Sequence[str] = ()
+) -> list[StagePart]:
     """Every stage's part; PipelineError unless stage 0 holds the embedding glue, the last
-    stage the norm and head, and the stages hold the decoder layers whole and in order."""
+    stage the norm and head, and the stages hold the decoder layers whole and in order.
+    ``glue``: units generation may take from the whole model instead (a rotary module the
+    split traced into the glue: Gemma 3's, called with a string)."""
     parts: list[StagePart] = []
     last = len(stages) - 1
     for s, stage in enumerate(stages):
@@ -51,7 +56,7 @@ def stage_parts(family: Family, num_layers: int, stages: Sequence[nn.Module]) ->
             )
         parts.append(StagePart(s, tuple(_layer_indices(family, units)), s == 0, s == last))
         needed = (family.first_units if s == 0 else ()) + (family.last_units if s == last else ())
-        missing = [u for u in needed if u not in units]
+        missing = [u for u in needed if u not in units and u not in glue]
         if missing:
             raise PipelineError(
                 f"generate(): stage {s} should hold {missing} to generate with a "
@@ -70,10 +75,39 @@ def stage_parts(family: Family, num_layers: int, stages: Sequence[nn.Module]) ->
 class GenStage:
     """One of this rank's stages, run eagerly for generation under no_grad."""
 
-    def __init__(self, family: Family, part: StagePart, module: nn.Module) -> None:
+    def __init__(
+        self,
+        family: Family,
+        part: StagePart,
+        module: nn.Module,
+        windows: Sequence[int | None] = (),
+        rope_kinds: Sequence[str] | None = None,
+        config: Any = None,
+        outside: nn.Module | None = None,
+    ) -> None:
+        """``windows``: every layer's sliding window (None: full attention; empty: all
+        full); ``rope_kinds``: the rotary kinds, one (cos, sin) each in the payload, each
+        layer using its ``config.layer_types`` kind's (None: one pair for all);
+        ``outside``: the whole model, where glue the stage does not hold is taken from."""
         self.family, self.part = family, part
-        get = module.get_submodule
+
+        units = tuple(getattr(module, "meshpipe_units", ()))
+
+        def get(name: str) -> nn.Module:
+            # a unit the stage calls as a module is its own; other glue (traced into the
+            # stage's graph, which may keep a bare holder of its buffers under that name)
+            # is the whole model's
+            if name in units or outside is None:
+                return module.get_submodule(name)
+            return outside.get_submodule(name)
+
         self.layers = [get(f"{family.layers}.{i}") for i in part.layers]
+        self.windows = [windows[i] if windows else None for i in part.layers]
+        self.kinds = tuple(rope_kinds) if rope_kinds else None
+        types = getattr(config, "layer_types", None) or ()
+        self.pair = [self.kinds.index(types[i]) if self.kinds else 0 for i in part.layers]
+        cap = getattr(config, "final_logit_softcapping", None)
+        self.softcap = float(cap) if cap else None
         self.keyword = cache_keyword(self.layers[0]) if self.layers else "cache"
         self.rope = family.rotary is not None
         self._first = (
@@ -85,6 +119,13 @@ class GenStage:
             else []
         )
         self._last = [get(u) for u in family.last_units] if part.last else []
+        rotary = self._first[1] if self._first else None
+        if rotary is not None and any(b.is_meta for b in rotary.buffers()):
+            raise PipelineError(
+                f"generate(): the rotary module {family.rotary!r} is on the meta device (the "
+                "split traced it into the glue, so no stage materialised it); build the "
+                "model with real tensors to generate"
+            )
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> Payload:
         """(rows, q) token ids at (rows, q) positions -> the first layer's inputs."""
@@ -98,16 +139,22 @@ class GenStage:
             hidden = dropout(hidden)
         if rotary is None:
             return (hidden,)
-        cos, sin = rotary(hidden, positions)
-        return (hidden, cos, sin)
+        if self.kinds is None:
+            cos, sin = rotary(hidden, positions)
+            return (hidden, cos, sin)
+        pairs = [t for kind in self.kinds for t in rotary(hidden, positions, kind)]
+        return (hidden, *pairs)
 
-    def run_layers(self, payload: Payload, mask: torch.Tensor, cache: LaneCache) -> Payload:
+    def run_layers(
+        self, payload: Payload, masks: dict[int | None, torch.Tensor], cache: LaneCache
+    ) -> Payload:
+        """The stage's layers, each with the mask of its window and its kind's rotary pair."""
         hidden, rest = payload[0], payload[1:]
-        extra: dict[str, Any] = {self.keyword: cache}
-        if self.rope:
-            extra["position_embeddings"] = (rest[0], rest[1])
-        for layer in self.layers:
-            out = layer(hidden, attention_mask=mask, **extra)
+        for layer, window, pair in zip(self.layers, self.windows, self.pair, strict=True):
+            extra: dict[str, Any] = {self.keyword: cache}
+            if self.rope:
+                extra["position_embeddings"] = (rest[2 * pair], rest[2 * pair + 1])
+            out = layer(hidden, attention_mask=masks[window], **extra)
             hidden = out[0] if isinstance(out, tuple) else out
         return (hidden, *rest)
 
@@ -116,4 +163,6 @@ class GenStage:
         norm, head = self._last
         hidden = norm(payload[0][:, -1:])
         logits: torch.Tensor = head(hidden)[:, -1].float()
+        if self.softcap is not None:  # Gemma 2 and 3: logits squashed into (-cap, cap)
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
