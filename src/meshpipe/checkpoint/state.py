@@ -255,7 +255,8 @@ def optimizer_load(
         copies += _set_hparams(group, [n for n, _ in named], hparams)
         for name, param in named:
             entry: dict[str, Any] = dict(by_name.get(name, {}))
-            strided.extend((entry, k, param) for k, v in entry.items() if is_strided(param))
+            if is_strided(param):
+                strided.extend((entry, k, param) for k in entry)
             values = decode(scalars.get(name, {}))
             if not isinstance(values, dict):
                 raise CheckpointError(f"the saved optimizer state of {name!r} is not an object")

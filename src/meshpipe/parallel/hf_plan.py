@@ -81,6 +81,12 @@ def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
         if key in experts or any(key.startswith(f"{k}.") for k in experts):
             continue  # an experts module, or one of its weights (ExpertsTP)
         if not any(fnmatchcase(n, key) for n in names):
+            if any(fnmatchcase(n, key) for n, _ in model.named_parameters()):
+                raise PipelineError(
+                    f"{type(model).__name__}'s tp plan gives the parameter {key!r} the style "
+                    f"{style!r}; tp_plan='auto' splits parameters of experts modules only "
+                    "(meshpipe.parallel.ExpertsTP); pass an explicit tp_plan={...}"
+                )
             continue  # the plan names layers this configuration lacks (dense MLPs of a MoE)
         make = HF_STYLES.get(str(style))
         if make is None:

@@ -80,7 +80,7 @@ def _windows(family: Family, config: Any) -> tuple[int | None, ...]:
     return tuple(window if k == "sliding_attention" else None for k in kinds[:num])
 
 
-def rope_kinds(family: Family, config: Any, rotary: Any) -> tuple[str, ...] | None:
+def _rope_kinds(family: Family, config: Any, rotary: Any) -> tuple[str, ...] | None:
     """The layer kinds whose rotary tables differ (Gemma 3: local and global bases, the
     rotary module called with the kind), in order of first use; None for one table."""
     kinds = getattr(config, "layer_types", None)
@@ -168,7 +168,7 @@ def generate(
     glue = _outside_glue(family)
     parts = stage_parts(family, int(config.num_hidden_layers), target.whole.stages, glue)
     rotary = None if family.rotary is None else whole.get_submodule(family.rotary)
-    kinds = rope_kinds(family, config, rotary)
+    kinds = _rope_kinds(family, config, rotary)
     stages = {
         s: GenStage(family, parts[s], r.module, windows, kinds, config, whole)
         for s, r in target.runners.items()

@@ -52,6 +52,9 @@ _ROPE = dict(
     embed="model.embed_tokens", layers="model.layers", norm="model.norm", head="lm_head",
     rotary="model.rotary_emb",
 )  # fmt: skip
+# config.model_type of the rope families with the paths above
+_ROPE_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "olmoe",
+               "stablelm", "gemma2", "gemma3_text")  # fmt: skip
 _FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         "gpt2",
@@ -62,22 +65,7 @@ _FAMILIES: dict[str, Family] = {
         positions="transformer.wpe",
         dropout="transformer.drop",
     ),  # fmt: skip
-    **{
-        name: Family(name, **_ROPE)
-        for name in (
-            "llama",
-            "qwen2",
-            "qwen3",
-            "mistral",
-            "phi3",
-            "mixtral",
-            "qwen2_moe",
-            "olmoe",
-            "stablelm",
-            "gemma2",
-            "gemma3_text",
-        )  # fmt: skip
-    },
+    **{name: Family(name, **_ROPE) for name in _ROPE_TYPES},
 }
 
 
