@@ -146,8 +146,9 @@ def _backwards(
     """(I, W, B): the runtime's own split backward (``backward_input``, then the pending
     ``WeightGrad.run``) and whole backward (``backward_full``), each on a fresh forward's
     graph (they free it), median seconds of ``repeats`` after a warm-up; 0 when the
-    forward's output needs no gradient. The gradients accumulate into the parameters'
-    ``.grad`` as in a step (the caller clears them)."""
+    forward's output needs no gradient; I 0 (and W all of it) when no input needs one.
+    The gradients accumulate into the parameters' ``.grad`` as in a step (the caller
+    clears them)."""
     wanted = [t for t in _tensors(inputs) if t.requires_grad]
 
     def graph() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -172,7 +173,9 @@ def _backwards(
         backward_full(roots, grads, wanted)
         t4 = clock.now()
         del roots, grads
-        if k:  # the first is a warm-up
+        if k and not wanted:  # no input takes a gradient: I computes nothing (the
+            times.append((0.0, t2 - t0, t4 - t3))  # runtime's W runs it all), exactly 0
+        elif k:  # the first is a warm-up
             times.append((t1 - t0, t2 - t1, t4 - t3))
     i, w, b = (statistics.median(t[n] for t in times) for n in range(3))
     return i, w, b
