@@ -16,6 +16,8 @@ import meshpipe
 from meshpipe.schedule.generators.decode import decode_order
 from meshpipe.testing import run_on_ranks
 
+from parity import refusal
+
 pytest.importorskip("transformers")
 
 NEW = 10  # new tokens per call
@@ -188,14 +190,6 @@ def _trace(mesh: Any) -> dict[str, Any]:
     return {"rows": names, "actions": actions}
 
 
-def _refusal(fn: Any) -> str:
-    try:
-        fn()
-    except meshpipe.PipelineError as e:
-        return str(e)
-    return "no error"
-
-
 def _train_after_generate(mesh: Any) -> dict[str, Any]:
     """Generate in train mode, then one step: loss and gradients as one process."""
     import split_models as sm
@@ -232,13 +226,13 @@ def _errors(mesh: Any) -> dict[str, str]:
         _model("qwen2 chunked"), mesh, "1f1b", 2, split_points=_points("qwen2", 4)
     )
     return {
-        "chunked": _refusal(lambda: chunked.generate(ids[:, :4], 3)),
-        "too_long": _refusal(lambda: pipe.generate(ids, 3)),
-        "negative": _refusal(lambda: pipe.generate(ids[:, :4], -1)),
-        "no_cache": _refusal(lambda: plain.generate(ids[:, :4], 3)),
+        "chunked": refusal(lambda: chunked.generate(ids[:, :4], 3)),
+        "too_long": refusal(lambda: pipe.generate(ids, 3)),
+        "negative": refusal(lambda: pipe.generate(ids[:, :4], -1)),
+        "no_cache": refusal(lambda: plain.generate(ids[:, :4], 3)),
         # pp rank 1 asks for one more token than the others
-        "differs": _refusal(lambda: pipe.generate(ids[:, :4], 3 + (pipe.topology.pp_rank == 1))),
-        "every": _refusal(lambda: pipe.generate(ids[:, :4], 3, stop_check_every=0)),
+        "differs": refusal(lambda: pipe.generate(ids[:, :4], 3 + (pipe.topology.pp_rank == 1))),
+        "every": refusal(lambda: pipe.generate(ids[:, :4], 3, stop_check_every=0)),
     }
 
 

@@ -21,7 +21,7 @@ from torch import nn
 import meshpipe
 from meshpipe.testing import run_on_ranks
 
-from parity import adamw_gaps, backward_next
+from parity import adamw_gaps, backward_next, full, refusal
 
 pytest.importorskip("transformers")
 
@@ -204,7 +204,7 @@ def _mixtral_tp(mesh: Any) -> dict[str, Any]:
     }
     return {
         **gaps, "local": local, "checkpoint": _mixtral_checkpoint(pipe, mesh),
-        "biased": _refusal(lambda: _experts_with_bias(mesh["tp"])),
+        "biased": refusal(lambda: _experts_with_bias(mesh["tp"])),
     }  # fmt: skip
 
 
@@ -219,14 +219,6 @@ def _experts_with_bias(tp_mesh: Any) -> None:
     experts.down_proj = nn.Parameter(torch.zeros(4, 4, 4))
     experts.down_bias = nn.Parameter(torch.zeros(4, 4))
     parallelize_module(experts, tp_mesh, ExpertsTP())
-
-
-def _refusal(fn: Any) -> str:
-    try:
-        fn()
-    except meshpipe.PipelineError as e:
-        return str(e)
-    return ""
 
 
 def _mixtral_checkpoint(pipe: meshpipe.Pipeline, mesh: Any) -> dict[str, float]:
@@ -248,8 +240,8 @@ def _mixtral_checkpoint(pipe: meshpipe.Pipeline, mesh: Any) -> dict[str, float]:
     path = f"{box[0]}/ck"
     meshpipe.checkpoint.save(pipe, path, optimizer=opt)
     mine = (
-        {n: _whole(p) for n, p in pipe.named_parameters()},
-        {n: _whole(opt.state[p]["exp_avg"]) for n, p in pipe.named_parameters()},
+        {n: full(p) for n, p in pipe.named_parameters()},
+        {n: full(opt.state[p]["exp_avg"]) for n, p in pipe.named_parameters()},
     )
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # the other split holds other parameters here
@@ -265,16 +257,12 @@ def _mixtral_checkpoint(pipe: meshpipe.Pipeline, mesh: Any) -> dict[str, float]:
     other_opt.step()
     meshpipe.checkpoint.load(other, path, optimizer=other_opt)
     dist.barrier()
-    params = max((_whole(p) - saved[n]).abs().max().item() for n, p in other.named_parameters())
+    params = max((full(p) - saved[n]).abs().max().item() for n, p in other.named_parameters())
     state = max(
-        (_whole(other_opt.state[p]["exp_avg"]) - moments[n]).abs().max().item()
+        (full(other_opt.state[p]["exp_avg"]) - moments[n]).abs().max().item()
         for n, p in other.named_parameters()
     )
     return {"params": params, "state": state}
-
-
-def _whole(t: Any) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
 def _llama_worker() -> dict[str, Any]:

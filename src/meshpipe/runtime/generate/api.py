@@ -182,7 +182,6 @@ def generate(
         pad,
         _dtype(target),
         _widths(family, config, kinds),
-        tuple(sorted(set(windows), key=lambda w: -1 if w is None else w)),
         every,
     )
     order = decode_order(target.schedule.placement, len(lanes), max_new_tokens)

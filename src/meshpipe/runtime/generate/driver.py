@@ -52,7 +52,6 @@ class Request:
     pad: int | None
     dtype: torch.dtype  # hidden states on the wire
     widths: tuple[int, ...]  # last dims of the payload's tensors
-    windows: tuple[int | None, ...]  # the layers' distinct sliding windows (None: full)
     every: int = 1  # the lanes' stop is read on the host after every ``every`` steps
 
     def checks(self, step: int) -> bool:
@@ -179,12 +178,13 @@ class _Rank:
             return
         cache = lane.caches.setdefault(a.stage, LaneCache(self.slots + self.req.max_new_tokens))
         cache.offset = 0 if a.step == 0 else self.slots + a.step - 1
-        dtype = self.req.dtype
+        stage, dtype = self.stages[a.stage], self.req.dtype
+        windows = set(stage.windows)  # one mask per window this stage's layers use
         if a.step == 0:
-            masks = {w: prefill_mask(lane.mask, dtype, w) for w in self.req.windows}
+            masks = {w: prefill_mask(lane.mask, dtype, w) for w in windows}
         else:
-            masks = {w: decode_mask(lane.mask, a.step, dtype, w) for w in self.req.windows}
-        payload = self.stages[a.stage].run_layers(payload, masks, cache)
+            masks = {w: decode_mask(lane.mask, a.step, dtype, w) for w in windows}
+        payload = stage.run_layers(payload, masks, cache)
         if a.stage < self.last:
             self.pass_on(a, payload)
         else:
