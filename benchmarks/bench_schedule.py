@@ -14,6 +14,11 @@ rounds, in seconds; ``checked`` is validate + p2p_program, the figure the target
 (1f1b 0.2 s, zbv 0.3 s at 64 ranks x 512 microbatches; the verdict reads the better of wall
 and CPU time).
 
+p2p_program() gives the program in integer form, each rank's P2P values built when that
+rank's row is first read: ``rank 0 P2P`` is what one rank of the runtime then builds (its
+own row), ``ranks 1.. P2P`` every other row, which no rank reads (reading the whole program
+costs checked + both).
+
 Garbage collection stays on, as in real use. ``cpu`` is the best checked total in CPU
 seconds, which a machine shared with other jobs inflates less than wall time; ``gc off``
 repeats the best checked total with the collector off, the convention of Python's timeit.
@@ -34,18 +39,24 @@ TARGETS_S = {"1f1b": 0.2, "zbv": 0.3}  # validate + p2p_program, 64 ranks x 512 
 
 def _once(
     name: str, ranks: int, microbatches: int, rendezvous: bool = True
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, float, float]:
     """Wall seconds to build the schedule, validate it and get its p2p program, and the
-    CPU seconds of the last two."""
+    CPU seconds of the last two; then the seconds to build rank 0's P2P values (what a rank
+    of the runtime reads) and every other rank's."""
     start = time.perf_counter()
     schedule = get_schedule(name, ranks, microbatches)
     built = time.perf_counter()
     cpu = time.process_time()
     validate(schedule, rendezvous=rendezvous)
     checked = time.perf_counter()
-    p2p_program(schedule)
+    program = p2p_program(schedule)
     done = time.perf_counter()
-    return built - start, checked - built, done - checked, time.process_time() - cpu
+    cpu = time.process_time() - cpu
+    program[0]
+    row = time.perf_counter()
+    program[1:]
+    rows = time.perf_counter()
+    return built - start, checked - built, done - checked, cpu, row - done, rows - row
 
 
 def measure(
@@ -53,7 +64,7 @@ def measure(
 ) -> dict[str, float]:
     """Best and median seconds of build, validate, p2p_program and validate + p2p_program,
     the best CPU seconds of the latter, and its best with the collector off."""
-    rounds: list[tuple[float, float, float, float]] = []
+    rounds: list[tuple[float, float, float, float, float, float]] = []
     nogc: list[float] = []
     for _ in range(repeat):
         gc.collect()
@@ -61,11 +72,11 @@ def measure(
         gc.collect()
         gc.disable()
         try:
-            _build, check, program, _cpu = _once(name, ranks, microbatches, rendezvous)
+            _build, check, program, *_rest = _once(name, ranks, microbatches, rendezvous)
             nogc.append(check + program)
         finally:
             gc.enable()
-    builds, checks, programs, cpus = (list(col) for col in zip(*rounds, strict=True))
+    builds, checks, programs, cpus, rows0, rows = (list(c) for c in zip(*rounds, strict=True))
     totals = [c + p for c, p in zip(checks, programs, strict=True)]
     s = get_schedule(name, ranks, microbatches)
     out = {"actions": float(sum(len(row) for row in s.actions)), "cpu_best": min(cpus)}
@@ -74,6 +85,8 @@ def measure(
         ("validate", checks),
         ("program", programs),
         ("checked", totals),
+        ("row0", rows0),
+        ("rows", rows),
     ):
         out[f"{key}_best"], out[f"{key}_median"] = min(values), statistics.median(values)
     out["checked_best_nogc"] = min(nogc)
@@ -98,14 +111,14 @@ def main() -> None:
         f"{args.ranks} ranks x {args.microbatches} microbatches, best / median of "
         f"{args.repeat} (seconds)"
     )
-    cols = ("build", "validate", "p2p_program", "checked")
+    cols = ("build", "validate", "p2p_program", "checked", "rank 0 P2P", "ranks 1.. P2P")
     print(f"{'schedule':<17}{'actions':>9}" + "".join(f"{c:>15}" for c in cols), end="")
     print(f"{'cpu':>8}{'gc off':>8}  target")
     for name in names:
         r = measure(name, args.ranks, args.microbatches, args.repeat, not args.no_rendezvous)
         cells = [
             f"{r[f'{key}_best']:.3f}/{r[f'{key}_median']:.3f}"
-            for key in ("build", "validate", "program", "checked")
+            for key in ("build", "validate", "program", "checked", "row0", "rows")
         ]
         target = TARGETS_S.get(name) if at_target else None
         best = min(r["checked_best"], r["cpu_best"])  # waiting for a busy core is not ours

@@ -169,6 +169,29 @@ def test_program_positions_of_one_rank_alone() -> None:
             assert len(positions) == len(groups) and list(positions) == sorted(set(positions))
 
 
+def test_program_rows_built_when_read() -> None:
+    # p2p_program is the integer form: a rank's P2P values are built when its row is read,
+    # and only then (64 x 512 zbv: the runtime's rank reads one row of 64)
+    s = get_schedule("zbv", 4, 8)
+    program = p2p_program(s)
+    assert program._rows == [None] * 4  # nothing built yet
+    row = program[2]
+    assert program._rows[2] is row and program._rows.count(None) == 3
+    assert program[-2] is row and program[2] is row  # kept, and indexed as a tuple is
+    with pytest.raises(IndexError):
+        program[4]
+    whole = tuple(program)  # the rest, built together
+    assert program._rows.count(None) == 0 and whole[2] is row
+    assert program[1:3] == whole[1:3] and len(program) == 4
+    # equal to the same rows written out by hand (tuples, lists), unequal to others
+    assert program == whole and whole == program
+    assert program == [[list(g) for g in r] for r in whole]
+    assert program != whole[:3] and program != (*whole[:3], ()) and program != "x"
+    assert repr(program) == repr(whole)
+    with pytest.raises(TypeError):
+        hash(program)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_collector_state_is_kept(enabled: bool) -> None:
     was = gc.isenabled()

@@ -23,15 +23,15 @@ only when asked for, one rank at a time. Imports no torch.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, count, islice, repeat
 from operator import and_, ne, rshift
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 from meshpipe.schedule.comm import Transfer, wiring
 from meshpipe.schedule.ir import Schedule
-from meshpipe.schedule.memo import memo, peek
+from meshpipe.schedule.memo import memo
 from meshpipe.schedule.nogc import collector_paused
 from meshpipe.schedule.replay import replay
 from meshpipe.schedule.unit import Packing, Placed, packing, unit_placement
@@ -52,7 +52,8 @@ class P2P(NamedTuple):
 
 
 Group = tuple[P2P, ...]
-Program = tuple[tuple[Group, ...], ...]  # per rank: groups in posting order
+# Any program as given by hand (check_rendezvous reads one): per rank, groups in posting order.
+Rows = Sequence[Sequence[Sequence[P2P]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +171,10 @@ _KIND = ("act", "grad")
 _new_tuple = tuple.__new__  # builds a named tuple from an iterable, in C
 
 
-def _p2p_table(schedule: Schedule, ranks: Iterable[int]) -> list[P2P | None]:
+def _p2p_table(place: tuple[int, ...], m: int, ranks: Iterable[int]) -> list[P2P | None]:
     """Per operation's end, its P2P value (both ends of a message share one Transfer), for
-    every message between two ranks with one end on ``ranks``; None elsewhere."""
-    place, m = schedule.placement, schedule.num_microbatches
+    every message between two ranks with one end on ``ranks`` (placement ``place``, ``m``
+    microbatches); None elsewhere."""
     mine = set(ranks)
     table: list[P2P | None] = [None] * (4 * len(place) * m)
     for src in range(len(place)):
@@ -201,19 +202,71 @@ def _rank_groups(prog: IntProgram, rank: int, table: list[P2P | None]) -> tuple[
     return tuple(groups)  # type: ignore[arg-type] # every end of the program is in table
 
 
-def _materialise(schedule: Schedule, ranks: Sequence[int]) -> list[tuple[Group, ...]]:
-    """The P2P form of ``ranks``' programs (with the collector paused: see
-    :mod:`meshpipe.schedule.nogc`)."""
-    prog = int_program(schedule)
-    with collector_paused():
-        table = _p2p_table(schedule, ranks)
-        out = [_rank_groups(prog, rank, table) for rank in ranks]
-        del table  # before the collector resumes: it would walk it
-    return out
+class Program(Sequence[tuple[Group, ...]]):
+    """Per rank, its groups of :class:`P2P` values in posting order: a read-only sequence
+    over the program's integer form (:class:`IntProgram`) that builds a rank's values when
+    it is first read, and keeps them. A rank of the runtime reads its own row only; the
+    others are never built unless asked for. Equal to any sequence of the same rows (a
+    tuple of tuples of groups, as written by hand)."""
+
+    __slots__ = ("_prog", "_place", "_m", "_rows")
+
+    def __init__(self, prog: IntProgram, place: tuple[int, ...], num_microbatches: int):
+        self._prog, self._place, self._m = prog, place, num_microbatches
+        self._rows: list[tuple[Group, ...] | None] = [None] * prog.num_ranks
+
+    def __len__(self) -> int:
+        return self._prog.num_ranks
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[Group, ...]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[tuple[Group, ...], ...]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[Group, ...] | tuple[tuple[Group, ...], ...]:
+        if isinstance(index, slice):
+            return tuple(self._built(range(len(self))[index]))
+        rank = range(len(self))[index]  # IndexError as a tuple raises it
+        row = self._rows[rank]
+        return row if row is not None else self._built([rank])[0]
+
+    def __iter__(self) -> Iterator[tuple[Group, ...]]:
+        return iter(self._built(range(len(self))))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(other) == len(self) and all(map(_rows_equal, self, other))
+
+    __hash__ = None  # type: ignore[assignment] # equal to tuples, so not hashable as one
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def _built(self, ranks: Sequence[int]) -> list[tuple[Group, ...]]:
+        """The rows of ``ranks``, building the missing ones together (one table for all,
+        with the collector paused: see :mod:`meshpipe.schedule.nogc`)."""
+        missing = [r for r in ranks if self._rows[r] is None]
+        if missing:
+            with collector_paused():
+                table = _p2p_table(self._place, self._m, missing)
+                for rank in missing:
+                    self._rows[rank] = _rank_groups(self._prog, rank, table)
+                del table  # before the collector resumes: it would walk it
+        return [row for row in map(self._rows.__getitem__, ranks) if row is not None]
+
+
+def _rows_equal(mine: tuple[Group, ...], theirs: object) -> bool:
+    if mine == theirs:
+        return True
+    if not isinstance(theirs, Sequence) or len(theirs) != len(mine):
+        return False
+    return all(tuple(g) == tuple(h) for g, h in zip(mine, theirs, strict=True))
 
 
 def _p2p_program(schedule: Schedule) -> Program:
-    return tuple(_materialise(schedule, range(schedule.num_ranks)))
+    return Program(int_program(schedule), schedule.placement, schedule.num_microbatches)
 
 
 def p2p_program(schedule: Schedule) -> Program:
@@ -221,7 +274,9 @@ def p2p_program(schedule: Schedule) -> Program:
 
     A group is a tuple of :class:`P2P`; the runtime posts exactly these groups, each one
     right before the action at its position (see :func:`program_positions`). Computed once
-    per schedule object; raises ScheduleError where the schedule's unit-time replay does.
+    per schedule object, in integer form, its P2P values a rank at a time as they are read
+    (see :class:`Program`); raises ScheduleError where the schedule's unit-time replay
+    does.
     """
     return memo(schedule, "p2p_program", _p2p_program)
 
@@ -230,8 +285,4 @@ def program_positions(schedule: Schedule, rank: int) -> tuple[tuple[Group, ...],
     """``rank``'s groups and, for each, the position in its row of the action it is posted
     before (``len(row)``: after the last action)."""
     prog = int_program(schedule)
-    positions = tuple(prog.positions[rank])
-    whole: Program | None = peek(schedule, "p2p_program")
-    if whole is not None:
-        return whole[rank], positions
-    return _materialise(schedule, [rank])[0], positions
+    return p2p_program(schedule)[rank], tuple(prog.positions[rank])

@@ -71,7 +71,7 @@ from meshpipe.schedule.nogc import collector_paused
 from meshpipe.schedule.program import (
     P2P,
     IntProgram,
-    Program,
+    Rows,
     int_program,
     p2p_program,
     peers_by_pair_code,
@@ -89,7 +89,7 @@ _NEVER = sys.maxsize  # what an operation nothing matches waits for: never reach
 Flat = tuple[list[list[int]], list[list[int]]]
 
 
-def check_rendezvous(schedule: Schedule, program: Program | None = None) -> None:
+def check_rendezvous(schedule: Schedule, program: Rows | None = None) -> None:
     """Raise ScheduleError unless ``program`` (default: ``p2p_program(schedule)``) runs to
     the end under rendezvous semantics; the error names the ranks of a wait-for cycle, the
     group and operation each is stuck on, and the actions involved."""
@@ -115,7 +115,7 @@ def _runs(prog: IntProgram) -> bool:
     return done
 
 
-def flatten_program(program: Program) -> Flat:
+def flatten_program(program: Rows) -> Flat:
     """The flat form of any program; refuses an operation whose peer is not another rank."""
     p = len(program)
     firsts: dict[int, list[int]] = {}  # per pair code used
@@ -229,7 +229,7 @@ def _action_of(schedule: Schedule, rank: int, op: P2P) -> tuple[int, Action] | N
     )
 
 
-def _locate(program: Program, rank: int, j: int) -> tuple[int, P2P]:
+def _locate(program: Rows, rank: int, j: int) -> tuple[int, P2P]:
     """(group index, operation) of ``rank``'s operation ``j``."""
     for g, group in enumerate(program[rank]):
         if j < len(group):
@@ -238,7 +238,7 @@ def _locate(program: Program, rank: int, j: int) -> tuple[int, P2P]:
     raise IndexError(f"rank {rank} has no operation {j}")  # internal, not user input
 
 
-def _match(program: Program, rank: int, j: int) -> tuple[int, P2P] | None:
+def _match(program: Rows, rank: int, j: int) -> tuple[int, P2P] | None:
     """(group index, operation) on the peer that ``rank``'s operation ``j`` meets, or None:
     the k-th send from a rank to a peer meets the peer's k-th receive from that rank."""
     _g, op = _locate(program, rank, j)
@@ -255,7 +255,7 @@ def _match(program: Program, rank: int, j: int) -> tuple[int, P2P] | None:
     return None
 
 
-def _describe(schedule: Schedule, program: Program, rank: int, j: int) -> str:
+def _describe(schedule: Schedule, program: Rows, rank: int, j: int) -> str:
     """One stuck rank: its group and operation, the peer's group holding the match, and
     the actions producing or consuming both messages."""
     g, op = _locate(program, rank, j)
@@ -278,7 +278,7 @@ def _describe(schedule: Schedule, program: Program, rank: int, j: int) -> str:
     return text
 
 
-def _raise_deadlock(schedule: Schedule, program: Program, flat: Flat, stuck: list[int]) -> None:
+def _raise_deadlock(schedule: Schedule, program: Rows, flat: Flat, stuck: list[int]) -> None:
     ranks, is_cycle = _wait_chain(flat, stuck)
     lines = [_describe(schedule, program, r, stuck[r]) for r in ranks]
     first = _action_of(schedule, ranks[0], _locate(program, ranks[0], stuck[ranks[0]])[1])
