@@ -152,6 +152,11 @@ def _grad_gap(pipe: meshpipe.Pipeline, ref: nn.Module, times: float = 1.0) -> fl
     )
 
 
+def _mae_and_max(out: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Two per-row means: the absolute error, and each row's largest output."""
+    return {"mae": (out - target).abs().mean(), "top": out.amax(dim=1).mean()}
+
+
 def _uneven_replicas(mesh: Any) -> dict[str, Any]:
     """pp1 x dp2: replica 0 passes 3 rows, replica 1 passes 5. With dp=None the step weighs
     the replicas by their rows: loss and gradients as one process on the 8 rows, also in a
@@ -180,6 +185,13 @@ def _uneven_replicas(mesh: Any) -> dict[str, Any]:
     other = slice(0, 6) if me == 0 else slice(6, 8)
     out["window"] = float(exact.step(x[other], target=y[other]))
     out["window_grad"] = _grad_gap(exact, ref, 2.0)
+    # eval_step: the loss and every metric weighted by the replicas' rows, as one process
+    exact.zero_grad()
+    exact.step(x, target=y)  # parameters as ref's: no optimizer step ran
+    loss, metrics = exact.eval_step(x[rows], target=y[rows], metrics_fn=_mae_and_max)
+    whole = _mae_and_max(ref(x), y)
+    out["eval"] = (float(loss), float(metrics["mae"]), float(metrics["top"]))
+    out["eval_expected"] = (out["expected"], float(whole["mae"]), float(whole["top"]))
     pipe = meshpipe.Pipeline(model, mesh, "1f1b", 1, loss_fn=mse, dp="ddp", timeout=60)
     pipe.step(x[:4] if me == 0 else x[4:], target=y[:4] if me == 0 else y[4:])  # even
     before = {n: p.grad.clone() for n, p in pipe.named_parameters()}
@@ -250,6 +262,8 @@ def test_padded_cross_entropy_is_the_whole_batch_mean() -> None:
         assert abs(uneven["exact"] - uneven["expected"]) < ATOL, uneven
         assert uneven["exact_grad"] < ATOL and uneven["window_grad"] < ATOL, uneven
         assert abs(uneven["window"] - uneven["expected"]) < ATOL, uneven
+        for got_eval, want in zip(uneven["eval"], uneven["eval_expected"], strict=True):
+            assert abs(got_eval - want) < ATOL, uneven  # metrics weighted by rows too
         assert "replicas passed different numbers of rows" in uneven["refused"], uneven
         assert "dp='ddp'" in uneven["refused"], uneven
         assert uneven["kept"], uneven  # the refused call's gradients were dropped

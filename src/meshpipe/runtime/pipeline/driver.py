@@ -384,6 +384,7 @@ class StepDriver:
         reduced = reduce_metrics(
             metrics, src, self.channels.ctrl, topo.pp_group, topo.dp_group, topo.device,
             self.timeout, contributes, topo.stage_meshes, self.watchdog,
+            sum(self.inputs.whole_rows),
         )  # fmt: skip
         return loss, reduced
 

@@ -191,18 +191,27 @@ def reduce_metrics(
     contributes: bool = True,
     stage_meshes: bool = False,
     watchdog: Watchdog | None = None,
+    rows: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Share-weighted metric sums of the last stage's rank (global rank ``src``), the same on
-    every rank: names sent over the CPU-side group, values summed over pp and averaged
-    over dp, as the loss."""
+    every rank: names sent over the CPU-side group, values summed over pp, then over dp
+    weighted by each replica's ``rows`` (its rows in the call: replicas that held
+    different numbers of rows count as one process on all of them; even ones give the
+    plain average), nothing read on the host. Stage meshes: parts already weighted by
+    their share of the batch, a plain sum."""
     keys = sorted(metrics)
     if dist.get_world_size(ctrl_group) > 1:
         keys = _broadcast_names(keys, src, ctrl_group, timeout)
-    buf = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    if not keys:
+        return {}
+    by_rows = dp_group is not None and not stage_meshes
+    buf = torch.zeros(len(keys) + by_rows, dtype=torch.float64, device=device)
     if metrics and contributes:
-        buf.copy_(torch.stack([metrics[k].to(device).reshape(()) for k in keys]))
-    if keys:  # stage meshes: parts weighted by their share of the batch, a plain sum
-        dp_size = _share(buf, "metrics", pp_group, dp_group, stage_meshes, timeout, watchdog)
-        if dp_size > 1:
-            buf /= dp_size
+        values = torch.stack([metrics[k].to(device).reshape(()) for k in keys])
+        buf[: len(keys)].copy_(values * rows if by_rows else values)
+        if by_rows:
+            buf[-1] = float(rows)  # host number into a device tensor: a fill, no wait
+    _share(buf, "metrics", pp_group, dp_group, stage_meshes, timeout, watchdog)
+    if by_rows:
+        buf = buf[:-1] / buf[-1]
     return {k: buf[i].to(torch.float32) for i, k in enumerate(keys)}
