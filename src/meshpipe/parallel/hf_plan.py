@@ -12,31 +12,38 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    RowwiseParallel,
     SequenceParallel,
 )
 
 from meshpipe.errors import PipelineError
 from meshpipe.parallel.moe_tp import ExpertsTP
 from meshpipe.parallel.replicated import ReplicatedGradSum
+from meshpipe.parallel.rowwise import OwnedRowwise
 
 __all__ = ["auto_ep_plan", "auto_tp_plan", "HF_STYLES"]
 
 EP_EXPERTS = "ep_dispatch_experts"  # the style transformers gives an experts module
 TP_EXPERTS = "moe_tp_experts"  # its style under tp: the weights' entries name their styles
-_EXPERT_WEIGHTS = {"packed_colwise": "packed", "rowwise": "rowwise"}
+# an experts weight's style in the plan: (its part, the experts' layout; moe_tp.py)
+_EXPERT_WEIGHTS = {
+    "packed_colwise": ("packed", "out_in"),
+    "rowwise": ("rowwise", "out_in"),
+    "packed_rowwise": ("packed", "in_out"),
+    "colwise": ("rowwise", "in_out"),
+}
 
 # transformers' style names -> torch's parallel styles (their meaning for nn.Linear)
 HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
+    # rowwise: OwnedRowwise, torch's RowwiseParallel whose output may be changed in place
+    "rowwise": OwnedRowwise,
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_rep": RowwiseParallel,
+    "rowwise_rep": OwnedRowwise,
     # a whole input (after a gathered colwise layer) cut on its last dim first (a slice)
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: OwnedRowwise(input_layouts=Replicate()),
     # an embedding sharded over the vocabulary: the token ids whole on every tp rank
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: OwnedRowwise(input_layouts=Replicate()),
     "sequence_parallel": SequenceParallel,
     # per-head norms after a colwise projection (Qwen 3, Gemma 3): parallel/replicated.py
     "replicated_with_grad_allreduce": ReplicatedGradSum,
@@ -45,18 +52,26 @@ HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 
 def _declared(model: nn.Module, kind: str = "tp") -> dict[str, str]:
     """The model's declared plan, keys made full module names: the base model's plan (from
-    its config, under ``base_model_prefix``) and the head's own (``_tp_plan``); ``kind``
-    "ep": ``base_model_ep_plan``."""
+    its config, under ``base_model_prefix``, or the name the head holds its base model by)
+    and the head's own (``_tp_plan``); ``kind`` "ep": ``base_model_ep_plan``."""
     plan: dict[str, str] = {}
     config = getattr(model, "config", None)
     base = dict(getattr(config, f"base_model_{kind}_plan", None) or {})
     prefix = str(getattr(model, "base_model_prefix", "") or "")
+    if prefix and not isinstance(getattr(model, prefix, None), nn.Module):
+        # the head names its base model otherwise (Llama 4's says language_model and holds
+        # it as model): the child that is itself a transformers model
+        prefix = next((n for n, c in model.named_children() if _is_hf_model(c)), prefix)
     has_prefix = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
     for key, style in base.items():
         plan[f"{prefix}.{key}" if has_prefix else key] = style
     for key, style in dict(getattr(type(model), f"_{kind}_plan", None) or {}).items():
         plan.setdefault(key, style)
     return plan
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    return hasattr(module, "config") and hasattr(type(module), "base_model_prefix")
 
 
 def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
@@ -74,11 +89,11 @@ def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
             "base_model_tp_plan); pass tp_plan={pattern: ParallelStyle} (docs/parallel.md "
             "shows one for GPT-2)"
         )
-    experts = _experts_styles(model, declared)
-    plan: dict[str, ParallelStyle] = dict(experts)
     names = [n for n, _ in model.named_modules() if n]
+    experts = _experts_styles(model, declared, names)
+    plan: dict[str, ParallelStyle] = dict(experts)
     for key, style in declared.items():
-        if key in experts or any(key.startswith(f"{k}.") for k in experts):
+        if TP_EXPERTS in (style, declared.get(key.rpartition(".")[0])):
             continue  # an experts module, or one of its weights (ExpertsTP)
         if not any(fnmatchcase(n, key) for n in names):
             if any(fnmatchcase(n, key) for n, _ in model.named_parameters()):
@@ -99,14 +114,18 @@ def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _experts_styles(model: nn.Module, declared: dict[str, str]) -> dict[str, ParallelStyle]:
+def _experts_styles(
+    model: nn.Module, declared: dict[str, str], names: list[str]
+) -> dict[str, ParallelStyle]:
     """One ExpertsTP per experts module of the plan (style ``moe_tp_experts``), from the
-    styles the plan gives its weights (``<module>.<weight>``: packed_colwise or rowwise)."""
+    styles the plan gives its weights (``<module>.<weight>``: packed_colwise and rowwise, or
+    Llama 4's packed_rowwise and colwise)."""
     out: dict[str, ParallelStyle] = {}
     for key, style in declared.items():
-        if style != TP_EXPERTS:
-            continue
+        if style != TP_EXPERTS or not any(fnmatchcase(n, key) for n in names):
+            continue  # not an experts module, or one this model's layers lack
         kinds: dict[str, list[str]] = {"packed": [], "rowwise": []}
+        layouts: dict[str, str] = {}  # layout -> a weight that has it
         for sub, weight_style in declared.items():
             if not sub.startswith(f"{key}.") or "." in sub[len(key) + 1 :]:
                 continue
@@ -118,8 +137,17 @@ def _experts_styles(model: nn.Module, declared: dict[str, str]) -> dict[str, Par
                     f"{sorted(_EXPERT_WEIGHTS)} only (meshpipe.parallel.ExpertsTP); pass an "
                     "explicit tp_plan={...} or use ep"
                 )
-            kinds[kind].append(sub[len(key) + 1 :])
-        out[key] = ExpertsTP(packed=kinds["packed"], rowwise=kinds["rowwise"])
+            kinds[kind[0]].append(sub[len(key) + 1 :])
+            layouts.setdefault(kind[1], f"{sub}: {weight_style}")
+        if len(layouts) > 1:
+            raise PipelineError(
+                f"{type(model).__name__}'s tp plan mixes the experts layouts of "
+                f"{sorted(layouts.values())} in {key!r}: packed_colwise goes with rowwise "
+                "(weights as nn.Linear's), packed_rowwise with colwise (Llama 4's); pass an "
+                "explicit tp_plan={...}"
+            )
+        layout = next(iter(layouts), "out_in")
+        out[key] = ExpertsTP(packed=kinds["packed"], rowwise=kinds["rowwise"], layout=layout)
     return out
 
 

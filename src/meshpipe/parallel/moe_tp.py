@@ -1,15 +1,19 @@
 """Tensor parallelism inside an experts module: every tp rank holds a slice of every expert.
 
-A Hugging Face MoE block (Mixtral, Qwen2-MoE, OLMoE, ...) keeps its experts' weights stacked
-in one module: ``gate_up_proj`` of shape (experts, 2 x inner, hidden), the gate's rows and
-then the up projection's, and ``down_proj`` (experts, hidden, inner). transformers' plan
-calls the module's style ``moe_tp_experts``, the first weight ``packed_colwise`` and the
-second ``rowwise``. Here, as one torch ``ParallelStyle`` on the experts module:
+A Hugging Face MoE block (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, DeepSeek-V3, ...) keeps its
+experts' weights stacked in one module: ``gate_up_proj`` of shape (experts, 2 x inner,
+hidden), the gate's rows and then the up projection's, and ``down_proj`` (experts, hidden,
+inner), each expert's weight laid out as ``nn.Linear``'s (out, in). transformers' plan calls
+the module's style ``moe_tp_experts``, the first weight ``packed_colwise`` and the second
+``rowwise``. Llama 4 stores them the other way round, (in, out), multiplied as ``x @ W``:
+``gate_up_proj`` (experts, hidden, 2 x inner), ``down_proj`` (experts, inner, hidden), its
+plan's styles ``packed_rowwise`` and ``colwise`` (``layout="in_out"``). Here, as one torch
+``ParallelStyle`` on the experts module:
 
 - the packed weight is sharded on its inner dim so that each rank holds the same slice of
-  the gate and of the up projection (``_StridedShard(1, split_factor=2)``: the local
-  ``chunk(2)`` the module's forward takes gives a matching gate and up), the other weight
-  on its inner dim (``Shard(2)``);
+  the gate and of the up projection (``_StridedShard(1, split_factor=2)``, in_out: dim 2:
+  the local ``chunk(2)`` the module's forward takes gives a matching gate and up), the
+  other weight on its inner dim (``Shard(2)``, in_out: ``Shard(1)``);
 - the module's forward runs on the local slices (the parameters are swapped for their
   local tensors for the call: ``DTensor.to_local`` is differentiable, so each slice's
   gradient lands in the parameter as a DTensor of its layout);
@@ -69,20 +73,32 @@ class _SumBackward(torch.autograd.Function):
         return out, None
 
 
+LAYOUTS = ("out_in", "in_out")
+
+
 class ExpertsTP(ParallelStyle):
-    """Stacked experts split over tp (see the module docstring). ``packed``: weights of shape
-    (experts, 2 x inner, hidden) holding the gate's and the up projection's rows; ``rowwise``:
-    weights of shape (experts, hidden, inner)."""
+    """Stacked experts split over tp (see the module docstring). ``packed``: weights holding
+    the gate's and the up projection's halves, of shape (experts, 2 x inner, hidden) with
+    ``layout="out_in"`` (as ``nn.Linear``: Mixtral and most), (experts, hidden, 2 x inner)
+    with ``"in_out"`` (Llama 4); ``rowwise``: the down projections, (experts, hidden, inner)
+    or (experts, inner, hidden)."""
 
     def __init__(
-        self, packed: Sequence[str] = ("gate_up_proj",), rowwise: Sequence[str] = ("down_proj",)
+        self,
+        packed: Sequence[str] = ("gate_up_proj",),
+        rowwise: Sequence[str] = ("down_proj",),
+        layout: str = "out_in",
     ) -> None:
         super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"ExpertsTP: layout={layout!r}; expected one of {LAYOUTS}")
         self.packed = tuple(packed)
         self.rowwise = tuple(rowwise)
+        self.layout = layout
 
     def __repr__(self) -> str:
-        return f"ExpertsTP(packed={list(self.packed)}, rowwise={list(self.rowwise)})"
+        layout = "" if self.layout == "out_in" else f", layout={self.layout!r}"
+        return f"ExpertsTP(packed={list(self.packed)}, rowwise={list(self.rowwise)}{layout})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         size = device_mesh.size()
@@ -99,7 +115,7 @@ class ExpertsTP(ParallelStyle):
         for name in (*self.packed, *self.rowwise):
             p = own[name]
             packed = name in self.packed
-            dim = 1 if packed else 2
+            dim = 1 if packed == (self.layout == "out_in") else 2  # the inner dim
             inner = p.shape[dim] // 2 if packed else p.shape[dim]
             if p.dim() != 3 or (packed and p.shape[dim] % 2) or inner % size:
                 raise PipelineError(

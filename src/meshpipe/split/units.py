@@ -214,6 +214,7 @@ def _fold(graph: fx.Graph, call: _Call, params: set[str], renamed: dict[str, fx.
     end = order[region[-1]] if region else order[first] - 1
     # values of the region used outside it must all be the call's outputs
     out_set = {o for o in outs if isinstance(o, fx.Node)}
+    _unbind_noop_casts(region, members, out_set, renamed)
     for n in region:
         for user in n.users:
             if user not in members and n not in out_set:
@@ -256,6 +257,40 @@ def _fold(graph: fx.Graph, call: _Call, params: set[str], renamed: dict[str, fx.
     if left:
         raise SplitError(f"internal: folding {call.path} left operations {left[:4]} in use")
     return True
+
+
+_CASTS = {torch.ops.aten.to.dtype_layout, torch.ops.aten.to.dtype, torch.ops.aten.to.device}
+
+
+def _unbind_noop_casts(
+    region: Sequence[fx.Node],
+    members: set[fx.Node],
+    outs: set[fx.Node],
+    renamed: dict[str, fx.Node],
+) -> None:
+    """A ``.to(...)`` that changes nothing returns its input itself, and the tracer then
+    names that tensor by the cast from there on: a value from outside the call (Llama 4's
+    rotary table, passed to every layer) is then read by the next calls through a cast
+    inside this one. Such users, and the signatures that name the cast (``renamed``), take
+    the cast's input instead: the same tensor."""
+    for n in region:
+        if n.target not in _CASTS or n in outs or n.kwargs.get("copy"):
+            continue
+        src = n.args[0]
+        if not isinstance(src, fx.Node) or src in members or not _same_tensor(src, n):
+            continue
+        for user in [u for u in n.users if u not in members]:
+            user.replace_input_with(n, src)
+        renamed[n.name] = src  # a later call's signature may name it (and not read it)
+
+
+def _same_tensor(a: fx.Node, b: fx.Node) -> bool:
+    """Whether the traced values of ``a`` and ``b`` agree in dtype, device, layout, shape."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return False
+    same = (va.dtype, va.device, va.layout) == (vb.dtype, vb.device, vb.layout)
+    return same and tuple(va.shape) == tuple(vb.shape)
 
 
 def _without_size_arithmetic(region: Sequence[fx.Node]) -> list[fx.Node]:
