@@ -153,6 +153,25 @@ def expert_layout(pipe: meshpipe.Pipeline, ref: nn.Module) -> dict[str, Any]:
     return out
 
 
+def llama4(num_layers: int = 4) -> nn.Module:
+    """A small HF Llama 4 text model: MoE on every other layer (4 experts, top 1, stored as
+    (experts, in, out), a shared expert added in place), no rotary on every fourth layer,
+    chunked attention; random weights."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    import split_models as sm
+
+    sm.quiet_transformers()
+    cfg = Llama4TextConfig(
+        num_hidden_layers=num_layers, hidden_size=32, intermediate_size=16,
+        intermediate_size_mlp=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=sm.VOCAB, max_position_embeddings=32, num_local_experts=E,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=4,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return Llama4ForCausalLM(cfg)
+
+
 def mixtral(num_layers: int = 4) -> nn.Module:
     """A small HF Mixtral (4 experts, top 2), random weights."""
     from transformers import MixtralConfig, MixtralForCausalLM

@@ -208,6 +208,33 @@ def _mixtral_tp(mesh: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _llama4_tp(mesh: Any) -> dict[str, Any]:
+    """Llama 4 with tp_plan="auto": its experts stored (experts, in, out) split over tp on
+    their inner dim (ExpertsTP layout "in_out"), its shared expert's rowwise output added to
+    in place, its layers kept as modules although a no-op ``.to()`` of the rotary table
+    renamed it in the trace; 3 AdamW steps against one process, and the local shapes."""
+    from torch.distributed.tensor import DTensor
+
+    import ep_models as em
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = em.llama4()
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", 2, loss_fn=sm.lm_loss, tp_plan="auto",
+        split_points=["model.layers.2"],
+    )  # fmt: skip
+    gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
+    local = {
+        n.rsplit(".", 1)[-1]: tuple(p.to_local().shape)
+        for n, p in pipe.named_parameters()
+        if ".experts." in n and isinstance(p, DTensor)
+    }
+    units = sorted(n for s in pipe.stages for n in getattr(s, "meshpipe_units", ()))
+    return {**gaps, "local": local, "units": units}
+
+
 def _experts_with_bias(tp_mesh: Any) -> None:
     """ExpertsTP on stacked experts that also hold a bias (counted tp times after the sum)."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -270,6 +297,7 @@ def _llama_worker() -> dict[str, Any]:
     res = _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["qwen3"] = _qwen3_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["mixtral"] = _mixtral_tp(meshpipe.init_mesh(pp=2, tp=2))
+    res["llama4"] = _llama4_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["tied"] = _tied_tp(meshpipe.init_mesh(pp=2, tp=2), meshpipe.init_mesh(pp=1, dp=2, tp=2))
     return res
 
@@ -295,6 +323,18 @@ def test_mixtral_experts_split_over_tp_match_one_process() -> None:
         # saved whole, loaded into another split: parameters and AdamW moments as saved
         assert r["checkpoint"] == {"params": 0.0, "state": 0.0}, (rank, r)
         assert "cannot split ['down_bias']" in r["biased"], (rank, r)
+
+
+def test_llama4_experts_in_out_under_tp_match_one_process() -> None:
+    for rank, res in enumerate(_llama_results()):
+        r = res["llama4"]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
+        # 4 experts, hidden 32, inner 16: half of the gate's and of the up's columns each
+        assert r["local"] == {"gate_up_proj": (4, 32, 16), "down_proj": (4, 8, 32)}, (rank, r)
+        # both of the stage's layers called as modules (layer 3, without rotary, named the
+        # table through layer 2's no-op cast and stayed traced: its plan could not apply)
+        layers = [u for u in r["units"] if u.startswith("model.layers.")]
+        assert len(layers) == 2, (rank, r)
 
 
 def test_tied_head_and_embedding_laid_out_alike_under_tp() -> None:
