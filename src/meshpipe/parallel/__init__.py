@@ -7,6 +7,7 @@ from meshpipe.parallel.fsdp import apply_fsdp, fsdp_begin_step, fsdp_reduce
 from meshpipe.parallel.hf_plan import auto_tp_plan
 from meshpipe.parallel.moe_tp import ExpertsTP
 from meshpipe.parallel.replicated import ReplicatedGradSum
+from meshpipe.parallel.rowwise import OwnedRowwise
 from meshpipe.parallel.tp import apply_tp, check_tp_plan
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "GradSync",
     "ReplicatedGradSum",
     "ExpertsTP",
+    "OwnedRowwise",
     "auto_tp_plan",
     "apply_fsdp",
     "apply_tp",
