@@ -29,6 +29,19 @@ def _model(kind: str) -> Any:
 
     if kind in ("llama", "gpt2"):
         return getattr(sm, kind)(4)
+    if kind == "deepseek_v3":  # multi-head latent attention: keys and values of two widths
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM(
+            DeepseekV3Config(
+                num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=sm.VOCAB, max_position_embeddings=32,
+                moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                v_head_dim=8,
+            )
+        )  # fmt: skip
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -44,6 +57,8 @@ def _model(kind: str) -> Any:
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
         StableLmConfig,
         StableLmForCausalLM,
     )
@@ -59,9 +74,11 @@ def _model(kind: str) -> Any:
         "qwen2 chunked": (Qwen2Config, Qwen2ForCausalLM),
         "gemma2": (Gemma2Config, Gemma2ForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     }[kind]
     extra = {
         "qwen3": {"head_dim": 8},
+        "smollm3": {"pad_token_id": 0},
         # a sliding window shorter than prompt + new tokens (Phi-3-mini's is 2047)
         "phi3": {"pad_token_id": 0, "sliding_window": 4},
         "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
@@ -260,6 +277,8 @@ def _worker() -> dict[str, Any]:
         "qwen2 windows pp2": _greedy("qwen2 windows", pp2, 2),
         "gemma2 pp2": _greedy("gemma2", pp2, 2),
         "gemma3 pp4": _greedy("gemma3", pp4, 4),
+        "deepseek_v3 pp2": _greedy("deepseek_v3", pp2, 2),
+        "smollm3 pp2": _greedy("smollm3", pp2, 2),  # every fourth layer without rotary
     }
     res["sampled"] = {
         "pp2 lanes=1": _sampled(pp2, 2, 1, seed=7),
@@ -285,7 +304,7 @@ def _results() -> list[dict[str, Any]]:
     [
         "llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4", "llama pp2 tp2",
         "llama stage meshes", "qwen3 pp2 tp2", "phi3 pp2", "mixtral pp2 tp2", "stablelm pp2",
-        "qwen2 windows pp2", "gemma2 pp2", "gemma3 pp4",
+        "qwen2 windows pp2", "gemma2 pp2", "gemma3 pp4", "deepseek_v3 pp2", "smollm3 pp2",
     ],
 )  # fmt: skip
 def test_greedy_matches_hugging_face_generate(case: str) -> None:

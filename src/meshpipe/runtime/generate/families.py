@@ -53,8 +53,11 @@ _ROPE = dict(
     rotary="model.rotary_emb",
 )  # fmt: skip
 # config.model_type of the rope families with the paths above
+# (checked against Hugging Face's greedy tokens; Granite, with the same paths, scales its
+# embeddings and logits in the glue and is left out: its tokens differ)
 _ROPE_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "olmoe",
-               "stablelm", "gemma2", "gemma3_text")  # fmt: skip
+               "stablelm", "gemma2", "gemma3_text", "qwen3_moe", "olmo2", "smollm3",
+               "deepseek_v3", "glm4_moe")  # fmt: skip
 _FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         "gpt2",
