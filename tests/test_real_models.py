@@ -180,21 +180,21 @@ def _qwen3_tp(mesh: Any) -> dict[str, Any]:
     return {**gaps, "norms": len(norms), "norms_whole": whole}
 
 
-def _mixtral_tp(mesh: Any) -> dict[str, Any]:
-    """Mixtral with tp_plan="auto": each expert's gate/up and down weights split over tp
-    (meshpipe.parallel.ExpertsTP, transformers' moe_tp_experts), the partial outputs summed;
-    3 AdamW steps against one process, and the weights' layouts and local shapes."""
+def _experts_tp_trained(
+    make: Any, mesh: Any, schedule: str, num_microbatches: int, points: list[str]
+) -> tuple[meshpipe.Pipeline, dict[str, float], dict[str, tuple[int, ...]]]:
+    """A MoE model from ``make`` with tp_plan="auto", trained 3 AdamW steps against one
+    process: the pipeline, the gaps, and the local shapes of its split experts weights."""
     from torch.distributed.tensor import DTensor
 
-    import ep_models as em
     import split_models as sm
 
     torch.manual_seed(0)
-    model = em.mixtral()
+    model = make()
     ref = copy.deepcopy(model)
     pipe = meshpipe.Pipeline(
-        model, mesh, "zbv", 4, loss_fn=sm.lm_loss, tp_plan="auto",
-        split_points=["model.layers.1", "model.layers.2", "model.layers.3"],
+        model, mesh, schedule, num_microbatches, loss_fn=sm.lm_loss, tp_plan="auto",
+        split_points=points,
     )  # fmt: skip
     gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
     local = {
@@ -202,6 +202,17 @@ def _mixtral_tp(mesh: Any) -> dict[str, Any]:
         for n, p in pipe.named_parameters()
         if ".experts." in n and isinstance(p, DTensor)
     }
+    return pipe, gaps, local
+
+
+def _mixtral_tp(mesh: Any) -> dict[str, Any]:
+    """Mixtral with tp_plan="auto": each expert's gate/up and down weights split over tp
+    (meshpipe.parallel.ExpertsTP, transformers' moe_tp_experts), the partial outputs summed;
+    3 AdamW steps against one process, and the weights' layouts and local shapes."""
+    import ep_models as em
+
+    points = ["model.layers.1", "model.layers.2", "model.layers.3"]
+    pipe, gaps, local = _experts_tp_trained(em.mixtral, mesh, "zbv", 4, points)
     return {
         **gaps, "local": local, "checkpoint": _mixtral_checkpoint(pipe, mesh),
         "biased": refusal(lambda: _experts_with_bias(mesh["tp"])),
@@ -213,24 +224,9 @@ def _llama4_tp(mesh: Any) -> dict[str, Any]:
     their inner dim (ExpertsTP layout "in_out"), its shared expert's rowwise output added to
     in place, its layers kept as modules although a no-op ``.to()`` of the rotary table
     renamed it in the trace; 3 AdamW steps against one process, and the local shapes."""
-    from torch.distributed.tensor import DTensor
-
     import ep_models as em
-    import split_models as sm
 
-    torch.manual_seed(0)
-    model = em.llama4()
-    ref = copy.deepcopy(model)
-    pipe = meshpipe.Pipeline(
-        model, mesh, "1f1b", 2, loss_fn=sm.lm_loss, tp_plan="auto",
-        split_points=["model.layers.2"],
-    )  # fmt: skip
-    gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
-    local = {
-        n.rsplit(".", 1)[-1]: tuple(p.to_local().shape)
-        for n, p in pipe.named_parameters()
-        if ".experts." in n and isinstance(p, DTensor)
-    }
+    pipe, gaps, local = _experts_tp_trained(em.llama4, mesh, "1f1b", 2, ["model.layers.2"])
     units = sorted(n for s in pipe.stages for n in getattr(s, "meshpipe_units", ()))
     return {**gaps, "local": local, "units": units}
 
