@@ -121,15 +121,26 @@ class GraphStage(nn.Module):
                 return v.device
         return self._export_device
 
-    def _compiled(self, device: torch.device) -> Callable[..., Any]:
-        key = (device, self.training)
+    def prepare_code(self) -> None:
+        """Build the forward's code for the stage's device in both modes now, not on the
+        first call: under torch.compile, building it there breaks the graph and makes
+        ``forward`` a frame of its own, one code object shared by every stage of the process
+        (dynamo's recompile count then runs the ninth stage eager), recompiled on the next
+        call."""
+        device = self._device(())
+        for training in (True, False):
+            self._compiled(device, training)
+
+    def _compiled(self, device: torch.device, training: bool | None = None) -> Callable[..., Any]:
+        training = self.training if training is None else training
+        key = (device, training)
         fn = self._code.get(key)
         if fn is not None:
             return fn
         graph = self._graph
         if device != self._export_device:
             graph = _on_device(graph, self._export_device, device)
-        graph = _in_mode(graph, self.training)
+        graph = _in_mode(graph, training)
         code = graph.python_code("self")
         scope = dict(code.globals)
         exec(compile(code.src, f"<meshpipe stage {self.stage_index}>", "exec"), scope)

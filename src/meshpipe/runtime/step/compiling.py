@@ -21,6 +21,7 @@ from torch import nn
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.step.split_compile import SPLIT_BACKENDS, split_backend
+from meshpipe.split.module import GraphStage
 
 __all__ = ["CompileOption", "compile_options", "compile_stage"]
 
@@ -85,6 +86,9 @@ def compile_stage(
         log.info("stage compiled with one fused backward (backend %r, options %s)", backend, opts)
     targets = stage_blocks(module, index) if per_block else [("", module)]
     for name, target in targets:
+        for part in target.modules():
+            if isinstance(part, GraphStage):
+                part.prepare_code()
         entry = _own_code(target.forward, f"meshpipe_stage{index}_{name or 'forward'}")
         target.forward = torch.compile(entry, backend=chosen, **opts)
     return "split" if splittable else "fused"

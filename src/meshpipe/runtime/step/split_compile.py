@@ -83,6 +83,9 @@ class _Halves:
         places = [n for n in nodes if n.op == "placeholder"]
         need_i = _ancestors([o for o, w in zip(outs, weight) if not w])
         need_w = _ancestors([o for o, w in zip(outs, weight) if w])
+        for n in nodes:  # a multi-output node I computes passes W its parts, not the tuple
+            if n in need_i and isinstance(n.meta.get("val"), (tuple, list)):
+                need_i.update(u for u in n.users if u in need_w)
         only_w = need_w - need_i
         shared = [
             n
