@@ -16,7 +16,7 @@ from torch import nn
 import meshpipe
 from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.testing import run_on_ranks
-from split_models import Stack
+from split_models import Skip, Stack, llama, quiet_transformers, tokens
 
 from parity import D, blocks, check_case, grad_diff, mse, refusal
 
@@ -154,6 +154,34 @@ def test_more_stages_than_the_recompile_limit_all_compile(results: Any) -> None:
         assert res["many-graphs-True"] == 10, (rank, res["many-graphs-True"])
 
 
+def test_a_packed_message_does_not_recompile_the_stage_it_feeds() -> None:
+    """In one process: a Llama's second stage compiled by inductor with dynamic shapes, fed
+    a boundary (the rotary pair and the hidden states) first as a new shape arrives (a packed
+    message, unpacked) and then as the same shape arrives later (tensors of their own).
+    Dynamic graphs guard storage offsets: before 2026-12-03 the unpacked values were views
+    at offsets of one buffer, and the stage compiled a second graph on the next step."""
+    from torch._dynamo.utils import counters
+
+    from meshpipe.runtime.step.compiling import compile_stage
+    from meshpipe.runtime.transfer import wire
+    from meshpipe.schedule.comm import Transfer
+
+    torch._dynamo.reset()
+    quiet_transformers()
+    ids, mask, _ = tokens(batch=2)
+    first, last = meshpipe.split(llama(2), points=["model.layers.1"], example_args=(ids,))
+    compile_stage(last, {"dynamic": True})  # as a stage becomes once a sequence length changes
+    sent = first(None, (ids,), {})  # the rotary pair, the hidden states (needing grads)
+    assert len(sent) >= 3, [tuple(t.shape) for t in sent]
+    _, _, packed = wire.unpack(wire.pack(Transfer("act", 0, 1, 0), sent))
+    before = counters["stats"]["unique_graphs"]
+    out = last(packed, (ids,), {}).logits
+    own = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in sent)
+    again = last(own, (ids,), {}).logits
+    torch.testing.assert_close(out, again)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 def test_dynamic_shapes_keep_the_split_and_match_one_process(results: Any) -> None:
     """A graph with symbolic sizes among its inputs: before 2026-12-02 its weights were not
     found (the sizes have no autograd edge), so I ran the whole backward, and the kept graph
@@ -250,6 +278,45 @@ def test_inductor_halves_of_a_moe_stage() -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=name)
         experts += ".experts." in name
     assert experts > 0
+
+
+def test_stages_of_other_models_compile_static() -> None:
+    """In one process: the second stages of two models (one value crossing the boundary,
+    then two), compiled one after the other, as two Pipelines or a planner trying layouts
+    make them. dynamo remembers what a function has seen by file, line, name and closure:
+    before 2026-12-03 both entries had one name, and the second stage's first compile
+    marked values dynamic from the first's ("automatic dynamic"; in a sweep of Hugging Face
+    models in one process every later rope model's receiving stages then compiled twice)."""
+    import logging
+
+    from meshpipe.runtime.step.compiling import compile_stage
+
+    torch._dynamo.reset()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    torch._logging.set_logs(dynamic=logging.INFO)
+    shapes.addHandler(handler)
+    try:
+        x = torch.randn(4, 16)
+        _, second = meshpipe.split(
+            Stack(num_blocks=4, d=16), points=["blocks.2"], example_args=(x,)
+        )
+        compile_stage(second, {"backend": "aot_eager"}, index=1)
+        second((x,), (x,), {})
+        kw = {"scale": torch.ones(())}
+        first, second = meshpipe.split(
+            Skip(16), points=["blocks.2"], example_args=(x, x), example_kwargs=kw
+        )
+        compile_stage(second, {"backend": "aot_eager"}, index=1)
+        sent = first(None, (x, x), kw)
+        assert len(sent) == 2, len(sent)
+        second(sent, (x, x), kw)
+    finally:
+        shapes.removeHandler(handler)
+        torch._logging.set_logs()
+    assert not [m for m in seen if "automatic dynamic" in m], seen
 
 
 def test_bad_compile_option_is_refused(results: Any) -> None:

@@ -12,6 +12,7 @@ I runs it whole and W is empty.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +27,8 @@ from meshpipe.split.module import GraphStage
 __all__ = ["CompileOption", "compile_options", "compile_stage"]
 
 log = logging.getLogger(__name__)
+
+_compiled = itertools.count()  # a name of its own for each compiled forward of the process
 
 CompileOption = bool | str | Mapping[str, Any]
 
@@ -89,19 +92,21 @@ def compile_stage(
         for part in target.modules():
             if isinstance(part, GraphStage):
                 part.prepare_code()
-        entry = _own_code(target.forward, f"meshpipe_stage{index}_{name or 'forward'}")
+        entry = _own_code(
+            target.forward, f"meshpipe_stage{index}_{name or 'forward'}_{next(_compiled)}"
+        )
         target.forward = torch.compile(entry, backend=chosen, **opts)
     return "split" if splittable else "fused"
 
 
 def _own_code(forward: Any, name: str) -> Any:
-    """``forward`` called through a function with a code object of its own. dynamo keeps
-    its compiled code, its recompile count (8 at most, then the code runs eager) and the
-    shapes it has seen (a new one makes the next compile dynamic) per code object; every
-    traced stage's forward is ``GraphStage.forward`` and every Sequential's
-    ``nn.Sequential.forward``, so without this the stages of a process would share one
-    count, and a stage whose inputs differ from another's would compile with dynamic
-    shapes."""
+    """``forward`` called through a function with a code object of its own, named ``name``.
+    dynamo keeps its compiled code and its recompile count (8 at most, then the code runs
+    eager) per code object, and the shapes it has seen (a new one makes the next compile
+    dynamic) per file, line, name and closure; every traced stage's forward is
+    ``GraphStage.forward`` and every Sequential's ``nn.Sequential.forward``, so without a
+    code object and a name of its own the stages of a process would share one count, and a
+    stage whose inputs differ from another's would compile with dynamic shapes."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)

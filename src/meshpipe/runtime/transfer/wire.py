@@ -4,7 +4,7 @@ description is new travels whole this way, with the error notices and end marker
 A packed message is ``[leaf 0][leaf 1]...[json][4-byte json length]`` as uint8, leaves at
 16-byte aligned offsets; the JSON names the transfer, the pytree structure and each leaf's
 dtype, shape, offset and requires_grad. A receiver that knows the message's size receives
-it in one piece and rebuilds the value as views of the buffer (no copy). A *header* is a
+it in one piece and rebuilds the value from it. A *header* is a
 fixed 512-byte message carrying a small JSON (the size of the packed message that follows,
 or an error) for when the receiver cannot know the size.
 """
@@ -87,7 +87,10 @@ def _meta_of(buf: torch.Tensor) -> dict[str, Any]:
 
 
 def unpack(buf: torch.Tensor) -> tuple[dict[str, Any], Transfer | None, Any]:
-    """(description, transfer, value); the value's tensors are views of ``buf``.
+    """(description, transfer, value); the value's tensors are copied out of ``buf``, each
+    with a storage of its own, as the data channel delivers them: views at offsets within
+    one buffer made every compiled receiving stage compile again on the next step (dynamo
+    guards a tensor's storage offset), and kept the whole message alive for any one leaf.
 
     A description with "e" is an error from the sender; one with "n" asks the receiver to
     receive a packed message of that size next (the size changed)."""
@@ -101,7 +104,7 @@ def unpack(buf: torch.Tensor) -> tuple[dict[str, Any], Transfer | None, Any]:
         for d in shape:
             numel *= d
         n = numel * torch.empty((), dtype=dtype).element_size()
-        t = buf[off : off + n].view(dtype).view(shape)
+        t = buf[off : off + n].view(dtype).view(shape).clone()
         if rg and t.is_floating_point():
             t.requires_grad_(True)
         tensors.append(t)
