@@ -6,7 +6,8 @@ made inside an autograd Function. Code that then adds to that output in place (L
 MoE block: ``out = self.shared_expert(x); out.add_(routed)``) stops with autograd's "a view
 ... is being modified inplace". Here the summed tensor itself is the output: the
 redistribution already made it afresh, so no copy is added, and the gradient goes back as
-the Replicate gradient torch's path gives. Used for the rowwise styles of
+the Replicate gradient torch's path gives. Under torch.compile the output is a copy of the
+local tensor (the Function's output is a view there). Used for the rowwise styles of
 ``tp_plan="auto"``.
 """
 
@@ -59,4 +60,8 @@ class OwnedRowwise(RowwiseParallel):
         whole = outputs.redistribute(placements=[Replicate()])
         if outputs.placements == (Replicate(),):  # nothing summed: its local tensor is shared
             whole = whole.clone()  # type: ignore[assignment] # a DTensor's clone is one
+        if torch.compiler.is_compiling():
+            # traced, the Function's output is its input's inner tensor returned as-is, a
+            # view to autograd: a copy instead, which inductor folds into its first use
+            return whole.to_local().clone()
         return _Owned.apply(whole)  # type: ignore[no-untyped-call]
