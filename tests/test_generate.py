@@ -47,6 +47,8 @@ def _model(kind: str) -> Any:
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GraniteConfig,
+        GraniteForCausalLM,
         MistralConfig,
         MistralForCausalLM,
         MixtralConfig,
@@ -75,10 +77,18 @@ def _model(kind: str) -> Any:
         "gemma2": (Gemma2Config, Gemma2ForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+        "granite": (GraniteConfig, GraniteForCausalLM),
     }[kind]
     extra = {
         "qwen3": {"head_dim": 8},
         "smollm3": {"pad_token_id": 0},
+        # embeddings multiplied and logits divided in the glue (the layers scale their own)
+        "granite": {
+            "embedding_multiplier": 4.0,
+            "logits_scaling": 4.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+        },
         # a sliding window shorter than prompt + new tokens (Phi-3-mini's is 2047)
         "phi3": {"pad_token_id": 0, "sliding_window": 4},
         "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
@@ -279,6 +289,7 @@ def _worker() -> dict[str, Any]:
         "gemma3 pp4": _greedy("gemma3", pp4, 4),
         "deepseek_v3 pp2": _greedy("deepseek_v3", pp2, 2),
         "smollm3 pp2": _greedy("smollm3", pp2, 2),  # every fourth layer without rotary
+        "granite pp2": _greedy("granite", pp2, 2),
     }
     res["sampled"] = {
         "pp2 lanes=1": _sampled(pp2, 2, 1, seed=7),
@@ -305,6 +316,7 @@ def _results() -> list[dict[str, Any]]:
         "llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4", "llama pp2 tp2",
         "llama stage meshes", "qwen3 pp2 tp2", "phi3 pp2", "mixtral pp2 tp2", "stablelm pp2",
         "qwen2 windows pp2", "gemma2 pp2", "gemma3 pp4", "deepseek_v3 pp2", "smollm3 pp2",
+        "granite pp2",
     ],
 )  # fmt: skip
 def test_greedy_matches_hugging_face_generate(case: str) -> None:

@@ -26,7 +26,9 @@ __all__ = ["Family", "family_of", "register_family", "cache_keyword"]
 class Family:
     """Submodule paths of one family (as in the unsplit model). ``rotary``: the module
     giving (cos, sin) from (hidden, position_ids) (rope models); ``positions``: a learned
-    position embedding (GPT-2); ``dropout``: applied after the embeddings, if any."""
+    position embedding (GPT-2); ``dropout``: applied after the embeddings, if any;
+    ``embed_multiplier`` and ``logit_divisor``: the config attributes of scales the model
+    applies in its glue (Granite)."""
 
     name: str
     embed: str
@@ -36,6 +38,9 @@ class Family:
     rotary: str | None = None
     positions: str | None = None
     dropout: str | None = None
+    # config attributes: a factor the embeddings are multiplied by, a divisor of the logits
+    embed_multiplier: str | None = None
+    logit_divisor: str | None = None
 
     @property
     def first_units(self) -> tuple[str, ...]:
@@ -53,8 +58,7 @@ _ROPE = dict(
     rotary="model.rotary_emb",
 )  # fmt: skip
 # config.model_type of the rope families with the paths above
-# (checked against Hugging Face's greedy tokens; Granite, with the same paths, scales its
-# embeddings and logits in the glue and is left out: its tokens differ)
+# (checked against Hugging Face's greedy tokens)
 _ROPE_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "olmoe",
                "stablelm", "gemma2", "gemma3_text", "qwen3_moe", "olmo2", "smollm3",
                "deepseek_v3", "glm4_moe")  # fmt: skip
@@ -69,6 +73,13 @@ _FAMILIES: dict[str, Family] = {
         dropout="transformer.drop",
     ),  # fmt: skip
     **{name: Family(name, **_ROPE) for name in _ROPE_TYPES},
+    # the same paths; its glue scales the embeddings and the logits
+    "granite": Family(
+        "granite",
+        **_ROPE,
+        embed_multiplier="embedding_multiplier",
+        logit_divisor="logits_scaling",
+    ),  # fmt: skip
 }
 
 

@@ -108,6 +108,10 @@ class GenStage:
         self.pair = [self.kinds.index(types[i]) if self.kinds else 0 for i in part.layers]
         cap = getattr(config, "final_logit_softcapping", None)
         self.softcap = float(cap) if cap else None
+        self.embed_scale, self.logit_divisor = (
+            float(getattr(config, name)) if name else None
+            for name in (family.embed_multiplier, family.logit_divisor)
+        )
         self.keyword = cache_keyword(self.layers[0]) if self.layers else "cache"
         self.rope = family.rotary is not None
         self._first = (
@@ -133,6 +137,8 @@ class GenStage:
         if embed is None:  # stage_parts checked it: not user input
             raise PipelineError("internal: generate's first stage has no embedding")
         hidden = embed(ids)
+        if self.embed_scale is not None:  # Granite
+            hidden = hidden * self.embed_scale
         if learned is not None:
             hidden = hidden + learned(positions)
         if dropout is not None:
@@ -163,6 +169,8 @@ class GenStage:
         norm, head = self._last
         hidden = norm(payload[0][:, -1:])
         logits: torch.Tensor = head(hidden)[:, -1].float()
+        if self.logit_divisor is not None:  # Granite
+            logits = logits / self.logit_divisor
         if self.softcap is not None:  # Gemma 2 and 3: logits squashed into (-cap, cap)
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
