@@ -47,6 +47,8 @@ def _model(kind: str) -> Any:
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GptOssConfig,
+        GptOssForCausalLM,
         GraniteConfig,
         GraniteForCausalLM,
         MistralConfig,
@@ -78,10 +80,19 @@ def _model(kind: str) -> Any:
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
         "granite": (GraniteConfig, GraniteForCausalLM),
+        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     }[kind]
     extra = {
         "qwen3": {"head_dim": 8},
         "smollm3": {"pad_token_id": 0},
+        # cos and sin of half a head, sliding and full layers in turn, attention sinks, MoE
+        "gpt_oss": {
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "pad_token_id": 0,
+        },
         # embeddings multiplied and logits divided in the glue (the layers scale their own)
         "granite": {
             "embedding_multiplier": 4.0,
@@ -290,6 +301,7 @@ def _worker() -> dict[str, Any]:
         "deepseek_v3 pp2": _greedy("deepseek_v3", pp2, 2),
         "smollm3 pp2": _greedy("smollm3", pp2, 2),  # every fourth layer without rotary
         "granite pp2": _greedy("granite", pp2, 2),
+        "gpt_oss pp2": _greedy("gpt_oss", pp2, 2),
     }
     res["sampled"] = {
         "pp2 lanes=1": _sampled(pp2, 2, 1, seed=7),
@@ -316,7 +328,7 @@ def _results() -> list[dict[str, Any]]:
         "llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp4", "llama pp2 tp2",
         "llama stage meshes", "qwen3 pp2 tp2", "phi3 pp2", "mixtral pp2 tp2", "stablelm pp2",
         "qwen2 windows pp2", "gemma2 pp2", "gemma3 pp4", "deepseek_v3 pp2", "smollm3 pp2",
-        "granite pp2",
+        "granite pp2", "gpt_oss pp2",
     ],
 )  # fmt: skip
 def test_greedy_matches_hugging_face_generate(case: str) -> None:

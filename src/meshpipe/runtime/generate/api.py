@@ -101,6 +101,8 @@ def _widths(family: Family, config: Any, kinds: tuple[str, ...] | None) -> tuple
     rope = getattr(config, "rope_parameters", None) or {}
     factor = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor")
     rotated = int(int(head) * float(factor)) if factor else int(head)
+    if family.half_rotary:  # gpt-oss: each half of the head rotated by one table
+        rotated //= 2
     return (hidden, *(rotated,) * (2 * len(kinds or (None,))))
 
 

@@ -41,6 +41,7 @@ class Family:
     # config attributes: a factor the embeddings are multiplied by, a divisor of the logits
     embed_multiplier: str | None = None
     logit_divisor: str | None = None
+    half_rotary: bool = False  # the rotary module's cos and sin cover half a head (gpt-oss)
 
     @property
     def first_units(self) -> tuple[str, ...]:
@@ -53,7 +54,7 @@ class Family:
         return (self.norm, self.head)
 
 
-_ROPE = dict(
+_ROPE: dict[str, Any] = dict(
     embed="model.embed_tokens", layers="model.layers", norm="model.norm", head="lm_head",
     rotary="model.rotary_emb",
 )  # fmt: skip
@@ -80,6 +81,7 @@ _FAMILIES: dict[str, Family] = {
         embed_multiplier="embedding_multiplier",
         logit_divisor="logits_scaling",
     ),  # fmt: skip
+    "gpt_oss": Family("gpt_oss", **_ROPE, half_rotary=True),
 }
 
 
