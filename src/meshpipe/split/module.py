@@ -131,8 +131,7 @@ class GraphStage(nn.Module):
         for training in (True, False):
             self._compiled(device, training)
 
-    def _compiled(self, device: torch.device, training: bool | None = None) -> Callable[..., Any]:
-        training = self.training if training is None else training
+    def _compiled(self, device: torch.device, training: bool) -> Callable[..., Any]:
         key = (device, training)
         fn = self._code.get(key)
         if fn is not None:
@@ -181,7 +180,7 @@ class GraphStage(nn.Module):
             )
         leaves = self.model_inputs(args, kwargs)
         inputs = [leaves[i] for i in self._input_indices]
-        fn = self._compiled(self._device([*received, *inputs]))
+        fn = self._compiled(self._device([*received, *inputs]), self.training)
         out = fn(self, *received, *inputs)
         if self._out_spec is None:
             return tuple(out)
