@@ -8,17 +8,20 @@ one spawn of 8 covers pp2 x dp2 x tp2.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 import meshpipe
 from meshpipe.parallel import OwnedRowwise
+from meshpipe.runtime.step.stage import StageRunner
 from meshpipe.testing import run_on_ranks
 
 from parity import D, blocks, check_case, dp_batch, dtensor_case, host_reads, mse
@@ -46,6 +49,81 @@ class AddsInPlace(nn.Module):
         out = self.down(torch.tanh(self.up(x)))
         out.add_(x)
         return out
+
+
+class Scaled(nn.Module):
+    """A block whose hidden activations are scaled by a weight of their width: under
+    :data:`SCALED_PLAN` that weight is replicated while its gradient comes sharded (the
+    activations it meets are), so a gradient wrapped in the weight's own layout is wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 2 * D)
+        self.scale = Scale(2 * D)
+        self.down = nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.scale(self.up(x))))
+
+
+class Scale(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.weight
+
+
+class ReplicateWeights(ParallelStyle):
+    """Each parameter of the module replicated over the tp mesh (a DTensor)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            whole = distribute_tensor(p.data, device_mesh, [Replicate()])
+            module.register_parameter(name, nn.Parameter(whole))
+        return module
+
+
+SCALED_PLAN = {
+    "*.up": ColwiseParallel(use_local_output=False),
+    "*.scale": ReplicateWeights(),
+    "*.down": RowwiseParallel(input_layouts=Shard(-1)),
+}
+
+
+@contextlib.contextmanager
+def _where_weights(counts: dict[str, int]) -> Iterator[None]:
+    """Count the I actions that changed a weight gradient (local parts) and the W actions
+    that did, of all W actions."""
+    backward, weight = StageRunner.backward, StageRunner.weight
+
+    def sums(runner: StageRunner) -> list[float]:
+        grads = [p.grad for p in runner.module.parameters()]
+        return [
+            float(g.to_local().sum() if isinstance(g, DTensor) else g.sum())
+            if g is not None
+            else 0.0
+            for g in grads
+        ]  # noqa: E501
+
+    def on_backward(runner: StageRunner, mb: int, grads: Any, split: bool) -> Any:
+        before = sums(runner)
+        out = backward(runner, mb, grads, split)
+        counts["i_changed"] += split and sums(runner) != before
+        return out
+
+    def on_weight(runner: StageRunner, mb: int) -> None:
+        before = sums(runner)
+        weight(runner, mb)
+        counts["w"] += 1
+        counts["w_changed"] += sums(runner) != before
+
+    StageRunner.backward, StageRunner.weight = on_backward, on_weight  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StageRunner.backward, StageRunner.weight = backward, weight  # type: ignore[method-assign]
 
 
 def _train_case(
@@ -182,16 +260,28 @@ def _four() -> dict[str, Any]:
     for s in schedules:
         out[f"tp-{s}"] = _train_case(tp_mesh, s, None, tp=True)
     out["tp-zbv-checkpointed"] = _train_case(tp_mesh, "zbv", None, tp=True, **full)
-    # compiled tp stages: AOTAutograd's backward returns the DTensors' local gradients,
-    # which the I/W split could not match to the weights (a PipelineError mid-step before
-    # 2026-12-03); they now get one fused backward, run whole by I
+    # compiled tp stages: AOTAutograd's backward returns the DTensors' local gradients and
+    # wraps them itself (a PipelineError mid-step before 2026-12-03, then one fused backward
+    # run whole by I); W now wraps the weight half's gradients and sets them
     from torch._dynamo.utils import counters
 
     before = counters["stats"]["unique_graphs"]
-    out["tp-zbv-compiled"] = _train_case(
-        tp_mesh, "zbv", None, tp=True, compile={"backend": "aot_eager"}
-    )
+    where = out["tp-zbv-compiled-where"] = {"i_changed": 0, "w_changed": 0, "w": 0}
+    with _where_weights(where):
+        out["tp-zbv-compiled"] = _train_case(
+            tp_mesh, "zbv", None, tp=True, compile={"backend": "aot_eager"}
+        )
     out["tp-zbv-compiled-graphs"] = counters["stats"]["unique_graphs"] - before
+    # a replicated weight whose gradient comes sharded: W wraps it as AOTAutograd describes
+    # the gradient, not as the weight is laid out
+    torch.manual_seed(0)
+    scaled = nn.Sequential(*[Scaled() for _ in range(8)])
+    out["tp-zbv-scaled"] = _train_case(tp_mesh, "zbv", None, True, scaled, SCALED_PLAN)
+    torch.manual_seed(0)
+    scaled = nn.Sequential(*[Scaled() for _ in range(8)])
+    out["tp-zbv-scaled-compiled"] = _train_case(
+        tp_mesh, "zbv", None, True, scaled, SCALED_PLAN, compile={"backend": "aot_eager"}
+    )
     # OwnedRowwise's output, changed in place, under compile (its autograd Function's output
     # is a view when traced: "a view ... modified inplace" before 2026-12-03)
     torch.manual_seed(0)
@@ -252,6 +342,8 @@ def four() -> list[dict[str, Any]]:
         "tp-zbv-checkpointed",
         "tp-zbv-compiled",
         "tp-zbv-compiled-inplace",
+        "tp-zbv-scaled",
+        "tp-zbv-scaled-compiled",
     ],
 )
 def test_three_adamw_steps_match_one_process(four: list[dict[str, Any]], case: str) -> None:
@@ -261,6 +353,16 @@ def test_three_adamw_steps_match_one_process(four: list[dict[str, Any]], case: s
 def test_tensor_parallel_stages_compile(four: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(four):
         assert res["tp-zbv-compiled-graphs"] >= 2, (rank, res["tp-zbv-compiled-graphs"])
+
+
+def test_compiled_tensor_parallel_stages_leave_weight_work_to_w(
+    four: list[dict[str, Any]],
+) -> None:
+    """zbv, pp2 x tp2, compiled: no I changes a weight gradient, every W does (3 steps x 4
+    microbatches x 2 stages per rank)."""
+    for rank, res in enumerate(four):
+        where = res["tp-zbv-compiled-where"]
+        assert where == {"i_changed": 0, "w_changed": 24, "w": 24}, (rank, where)
 
 
 def test_bad_spmd_input_is_refused_clearly(four: list[dict[str, Any]]) -> None:

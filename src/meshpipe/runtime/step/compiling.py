@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshpipe.errors import PipelineError
 from meshpipe.runtime.step.split_compile import SPLIT_BACKENDS, split_backend
@@ -81,23 +80,12 @@ def compile_stage(
     opts = dict(options)
     per_block = opts.pop("blocks", False)
     backend = opts.pop("backend", "inductor")
-    # DTensor parameters (tp): AOTAutograd's backward graph returns their local tensors'
-    # gradients and wraps them back itself, so its outputs do not match the node's edges
-    # and W could not set ``.grad``: one fused backward, as for FSDP2 stages
-    sharded = any(isinstance(p, DTensor) for p in module.parameters())
     splittable = (
-        split and not sharded and isinstance(backend, str) and backend in SPLIT_BACKENDS
+        split and isinstance(backend, str) and backend in SPLIT_BACKENDS
         and not {"mode", "options"} & set(opts)
     )  # fmt: skip
     chosen = split_backend(backend) if splittable else backend
-    if sharded and split:
-        log.warning(
-            "stage %d holds DTensor parameters (tensor parallel): compiled with one fused "
-            "backward; on a zero-bubble schedule its I computes the weight gradients too "
-            "and its W is empty",
-            index,
-        )
-    elif not splittable:
+    if not splittable:
         log.info("stage compiled with one fused backward (backend %r, options %s)", backend, opts)
     targets = stage_blocks(module, index) if per_block else [("", module)]
     for name, target in targets:

@@ -11,6 +11,14 @@ When the fused node runs inside :func:`collecting` (the runtime's I), it compute
 gradients only, returns no weight gradient, and leaves a closure that W runs later to add
 the weight gradients to ``param.grad``. Anywhere else (B, or a plain ``loss.backward()``) it
 computes both, as an ordinary compiled backward.
+
+Tensor-subclass parameters (DTensor, tensor parallelism): AOTAutograd hands the backward
+graph their inner parts (a DTensor's local gradient and its mesh), and wraps the graph's
+outputs back into subclasses itself after the node's backward returns. The graph's outputs
+are grouped by graph input (:class:`_Group`); I returns a stand-in for a weight's inner
+tensors (the node's caller wraps it, the engine drops it: I asks for no weight), and W
+wraps the weight half's outputs with AOTAutograd's own description of those gradients
+(their placements) before adding them to ``.grad``.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from meshpipe.errors import PipelineError
 
@@ -31,6 +41,7 @@ log = logging.getLogger(__name__)
 
 SPLIT_BACKENDS = ("inductor", "aot_eager")
 Deferred = Callable[[], None]
+Shape = tuple[tuple[int, ...], torch.dtype, torch.device]  # a gradient's, without its values
 _pending: list[Deferred] | None = None  # W work collected while an I runs
 
 
@@ -71,6 +82,40 @@ def _ancestors(roots: Sequence[Any]) -> set[fx.Node]:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return seen
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The backward graph's outputs for one graph input: ``size`` outputs from ``start``.
+    ``wrapped``: a tensor subclass flattened into its parts (a DTensor: local gradient, mesh)
+    that AOTAutograd wraps back after the node's backward."""
+
+    start: int
+    size: int
+    wrapped: bool
+
+
+def _num_parts(x: Any) -> int:
+    """How many values AOTAutograd flattens ``x`` into (a subclass: its inner values, each
+    flattened in turn, and the symbolic sizes and strides it appends)."""
+    if not is_traceable_wrapper_subclass(x):
+        return 1
+    attrs, _ = x.__tensor_flatten__()
+    symbolic = [d for d in (*x.size(), *x.stride()) if isinstance(d, torch.SymInt)]
+    return sum(_num_parts(getattr(x, a)) for a in attrs) + len(symbolic)
+
+
+def _groups(example_inputs: Sequence[Any]) -> list[_Group]:
+    """Each graph input's gradient outputs (a subclass input that takes no gradient has one
+    output, None)."""
+    groups: list[_Group] = []
+    start = 0
+    for x in example_inputs:
+        wrapped = bool(getattr(x, "requires_grad", False)) and is_traceable_wrapper_subclass(x)
+        size = _num_parts(x) if wrapped else 1
+        groups.append(_Group(start, size, wrapped))
+        start += size
+    return groups
 
 
 class _Halves:
@@ -118,6 +163,14 @@ class _Halves:
         self.weight_graph = fx.GraphModule(bw, gw)
         self.weight_args = [places.index(p) for p in w_places]
         self.shared_vals = [s.meta.get("val") for s in shared]
+        # each weight output's (shape, dtype, device), for a stand-in where one is needed
+        self.shapes: dict[int, Shape | None] = {}
+        for j, (o, w) in enumerate(zip(outs, weight)):
+            val = o.meta.get("val") if w and isinstance(o, fx.Node) else None
+            if isinstance(val, torch.Tensor):
+                dims = tuple(val.shape)
+                concrete = all(isinstance(d, int) for d in dims)
+                self.shapes[j] = (dims, val.dtype, val.device) if concrete else None
 
 
 def _compiled(gm: fx.GraphModule, example: list[Any], inductor: bool) -> Callable[[list[Any]], Any]:
@@ -129,6 +182,78 @@ def _compiled(gm: fx.GraphModule, example: list[Any], inductor: bool) -> Callabl
     return lambda args: fn(list(args))
 
 
+_zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _stand_in(spec: Shape | None) -> torch.Tensor:
+    """A weight gradient's place in I's outputs where the node's caller wraps it into a
+    subclass: one zero, expanded (the engine drops it, I asks for no weight)."""
+    if spec is None:
+        raise PipelineError(
+            "a compiled stage's weight gradient has a symbolic shape and is wrapped into a "
+            "tensor subclass: its weight work cannot be left to W. Compile with one fused "
+            "backward (compile={'mode': 'default'}) or without compile on zero-bubble schedules"
+        )
+    dims, dtype, device = spec
+    zero = _zeros.get((dtype, device))
+    if zero is None:
+        zero = _zeros[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+    return zero.expand(dims)
+
+
+def _describes(meta: Any, group: _Group) -> bool:
+    """Whether AOTAutograd's ``meta`` for a gradient lays it out as ``group`` says."""
+    if group.wrapped:
+        place = (getattr(meta, "flat_tensor_start_idx", None), getattr(meta, "arg_count", None))
+        return callable(getattr(meta, "creation_fn", None)) and place == (group.start, group.size)
+    return bool(getattr(meta, "unwrapped_idx", group.start) == group.start)
+
+
+def _grad_metas(node: Any, groups: Sequence[_Group]) -> list[Any]:
+    """AOTAutograd's description of the node's input gradients (one per graph input, how to
+    wrap each back into its subclass), checked against ``groups``."""
+    meta = getattr(getattr(node, "_forward_cls", None), "maybe_subclass_metadata", None)
+    metas = list(getattr(meta, "grad_input_metas", None) or ())
+    if len(metas) != len(groups) or not all(map(_describes, metas, groups)):
+        raise PipelineError(
+            "a compiled stage holds tensor-subclass parameters (e.g. DTensor) whose gradients "
+            "this torch does not describe as meshpipe expects: their weight work cannot be "
+            "left to W. Compile with one fused backward (compile={'mode': 'default'})"
+        )
+    return metas
+
+
+@dataclass
+class _WeightHalf:
+    """What I leaves for W of one split node: the weight half's inputs, and per weight its
+    outputs' group, the weight, and AOTAutograd's description of its gradient (a subclass
+    weight's, to wrap it; None for a plain one). Called by W: adds to ``.grad``."""
+
+    second: Callable[[list[Any]], Any]
+    args: list[Any]
+    weight: Sequence[bool]
+    work: list[tuple[_Group, Any, Any]]
+    parts: dict[int, Any]  # a subclass weight's parts that are not gradients (its mesh)
+    count: int
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            late = self.second(self.args)
+        self.args = []
+        for g, p, meta in self.work:
+            slots = range(g.start, g.start + g.size)
+            if p is None or any(late[j] is None for j in slots if self.weight[j]):
+                continue  # no gradient reached this weight
+            if meta is not None:
+                flat: list[Any] = [None] * self.count
+                for j in slots:
+                    flat[j] = late[j] if self.weight[j] else self.parts[j]
+                grad = meta.creation_fn(flat, is_runtime=True)
+            else:
+                grad = late[g.start]
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+
+
 def _backward(
     halves: _Halves,
     weight: Sequence[bool],
@@ -136,27 +261,36 @@ def _backward(
     inductor: bool,
     edge_of: Sequence[int | None],
     num_edges: int,
+    groups: Sequence[_Group],
 ) -> Any:
     """The split backward: ``weight`` marks the gradient outputs that are weight gradients;
-    ``edge_of`` maps each gradient output to the autograd node's edge of its input (None
-    for the symbolic sizes a dynamic-shape graph takes as inputs: they have no edge), of
-    ``num_edges``."""
+    ``groups`` gives each graph input's outputs, ``edge_of`` its edge of the autograd node
+    (None for the symbolic sizes a dynamic-shape graph takes as inputs, and other values
+    that are not tensors: they have no edge), of ``num_edges``."""
     first = _compiled(halves.input_graph, example, inductor)
     w_example = [example[i] for i in halves.weight_args] + halves.shared_vals
     second = _compiled(halves.weight_graph, w_example, inductor)
     count = halves.num_outputs
+    mapped = sum(g.size for g in groups) == count and len(groups) == len(edge_of)
+    wrapped = any(g.wrapped for g in groups)
+    metas: list[list[Any]] = []  # AOTAutograd's gradient descriptions, read once (subclasses)
+    owned = [
+        (k, g) for k, g in enumerate(groups) if any(weight[g.start : g.start + g.size])
+    ] if mapped else []  # fmt: skip
 
     def run(args: list[Any]) -> tuple[Any, ...]:
         # boxed: AOTAutograd passes a list we may clear, freeing what W does not keep
         keep = [args[i] for i in halves.weight_args]
         out = first(args)
         args.clear()
-        grads, shared = tuple(out[:count]), list(out[count:])
+        grads, shared = list(out[:count]), list(out[count:])
         pending = _pending
-        node = torch._C._current_autograd_node() if pending is not None else None
+        if pending is None:  # B, or a plain backward: both halves now
+            late = second([*keep, *shared])
+            return tuple(a if a is not None else b for a, b in zip(grads, late))
+        node = torch._C._current_autograd_node()
         edges = getattr(node, "next_functions", ())
-        mapped = len(edge_of) == count and len(edges) == num_edges
-        if pending is not None and not mapped:
+        if not mapped or len(edges) != num_edges:
             # the weights cannot be told from the other inputs, so W cannot take their
             # work; computing it here gave a wrong second step once (dynamic shapes, before
             # edge_of): stop rather than guess
@@ -166,26 +300,38 @@ def _backward(
                 "gradients cannot be left to W. Compile with one fused backward "
                 "(compile={'mode': 'default'}) or without compile on zero-bubble schedules"
             )
-        if pending is None:  # B, or a plain backward: both halves now
-            late = second([*keep, *shared])
-            return tuple(a if a is not None else b for a, b in zip(grads, late))
-        params = [
-            getattr(edges[e][0], "variable", None) if w and e is not None else None
-            for w, e in zip(weight, edge_of)
-        ]
-
-        def weight_work() -> None:
-            with torch.no_grad():
-                late = second([*keep, *shared])
-            for p, g in zip(params, late):
-                if p is not None and g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
-
-        pending.append(weight_work)
-        return grads
+        if wrapped and not metas:
+            metas.append(_grad_metas(node, groups))
+        later = _WeightHalf(second, [*keep, *shared], weight, [], {}, count)
+        for k, g in owned:
+            e = edge_of[k]
+            param = getattr(edges[e][0], "variable", None) if e is not None else None
+            later.work.append((g, param, metas[0][k] if g.wrapped else None))
+            for j in range(g.start, g.start + g.size) if g.wrapped else ():
+                # the node's caller wraps I's outputs: a stand-in where W's gradient goes
+                if weight[j]:
+                    grads[j] = _stand_in(halves.shapes.get(j))
+                else:
+                    later.parts[j] = grads[j]
+        pending.append(later)
+        return tuple(grads)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def _weights(outs: Sequence[Any], groups: Sequence[_Group], is_param: Sequence[bool]) -> list[bool]:
+    """Which of the backward graph's outputs are weight gradients: a parameter's output, or
+    for a parameter of a tensor subclass its tensor parts (not its mesh, not its sizes).
+    All False where the outputs do not follow the inputs' groups (I then refuses to split)."""
+    weight = [False] * len(outs)
+    if sum(g.size for g in groups) != len(outs):
+        return weight
+    for g, param in zip(groups, is_param):
+        for j in range(g.start, g.start + g.size) if param else ():
+            val = outs[j].meta.get("val") if isinstance(outs[j], fx.Node) else None
+            weight[j] = isinstance(val, torch.Tensor) if g.wrapped else True
+    return weight
 
 
 def split_backend(name: str) -> Callable[..., Any]:
@@ -197,6 +343,7 @@ def split_backend(name: str) -> Callable[..., Any]:
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         is_param = [isinstance(x, nn.Parameter) for x in example_inputs]
+        groups = _groups(example_inputs)
         # the autograd node has an edge per tensor input, none for a symbolic size
         edge_of: list[int | None] = []
         num_edges = 0
@@ -208,10 +355,9 @@ def split_backend(name: str) -> Callable[..., Any]:
                 edge_of.append(None)
 
         def bw_compiler(bw: fx.GraphModule, example: list[Any]) -> Any:
-            outs = list(list(bw.graph.nodes)[-1].args[0])
-            weight = [i < len(is_param) and is_param[i] for i in range(len(outs))]
+            weight = _weights(list(list(bw.graph.nodes)[-1].args[0]), groups, is_param)
             return _backward(
-                _Halves(bw, weight), weight, list(example), inductor, edge_of, num_edges
+                _Halves(bw, weight), weight, list(example), inductor, edge_of, num_edges, groups
             )
 
         kwargs: dict[str, Any] = {"bw_compiler": bw_compiler}
