@@ -8,9 +8,11 @@
 Each model is built from a small config with random weights (no download), split by name
 at its decoder layers, and trained for two SGD steps on left-padded rows with
 ``meshpipe.token_cross_entropy`` (``shift=True`` for causal models); a deep copy runs the
-same steps in one process. Printed per model and rank: |loss gap| and the worst gradient
-gap over both steps and all ranks (DTensor gradients compared whole), or the error raised
-(with --tp, models that declare no tp plan are skipped). Exit status 1 if any gap exceeds
+same steps in one process. Printed per model: |loss gap| and the worst gradient gap over
+both steps and all ranks (DTensor gradients compared whole), on zero-bubble schedules how
+many W actions set weight gradients and how many I actions did (none when the split
+works; ``meshpipe.testing.weight_work``), or the error raised (with --tp, models that
+declare no tp plan are skipped). Exit status 1 if any gap exceeds
 1e-5 or any model failed. The suite checks a few of these
 (tests/test_real_models.py); this runs the wider set by hand (minutes).
 """
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 import meshpipe
-from meshpipe.testing import run_on_ranks
+from meshpipe.testing import run_on_ranks, weight_work
 
 SMALL = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 64}
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
@@ -172,11 +174,21 @@ def _worker(
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     for name in names:
-        try:
-            out[name] = check(name, schedule, tp, dp, **options)
-        except Exception as e:  # reported per model, the others still run
-            out[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        with weight_work() as where:
+            try:
+                out[name] = check(name, schedule, tp, dp, **options)
+            except Exception as e:  # reported per model, the others still run
+                out[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        out[f"{name} where"] = dict(where)
     return out
+
+
+def _where(per_rank: list[dict[str, int]]) -> str:
+    """Where the weight work went, summed over the ranks (split backward schedules only)."""
+    total = {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
+    if not total["w"]:
+        return ""
+    return f"; W set weights in {total['w_changed']} of {total['w']}, I in {total['i_changed']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             loss = max(a for r in per_rank for a, _ in r)
             grad = max(b for r in per_rank for _, b in r)
             shown = f"loss gap {loss:.1e}, gradient gap {grad:.1e} (worst of 2 steps, all ranks)"
+            shown += _where([r[f"{name} where"] for r in results])
         print(f"{'ok  ' if ok else 'FAIL'} {name:10s} {shown}", flush=True)
     checked = len(names) - skipped
     how = f"{args.schedule}, tp={args.tp}, dp={args.dp} {options or ''}".rstrip()

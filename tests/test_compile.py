@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 import meshpipe
-from meshpipe.runtime.step.stage import StageRunner
-from meshpipe.testing import run_on_ranks
+from meshpipe.testing import run_on_ranks, weight_work
 from split_models import Skip, Stack, llama, quiet_transformers, tokens
 
 from parity import D, blocks, check_case, grad_diff, mse, refusal
@@ -47,33 +46,11 @@ def _case(mesh: Any, name: str, options: Any, traced: bool = False) -> dict[str,
     return worst
 
 
-def _grads(runner: StageRunner) -> list[float]:
-    return [float(p.grad.sum()) if p.grad is not None else 0.0 for p in runner.module.parameters()]
-
-
 def _where_weights(mesh: Any, name: str, options: Any, traced: bool = False) -> dict[str, int]:
     """How many I actions changed a weight gradient, and how many W actions did (of all)."""
-    counts = {"i_changed": 0, "w_changed": 0, "w": 0}
-    backward, weight = StageRunner.backward, StageRunner.weight
-
-    def on_backward(runner: StageRunner, mb: int, grads: Any, split: bool) -> Any:
-        before = _grads(runner)
-        out = backward(runner, mb, grads, split)
-        counts["i_changed"] += split and _grads(runner) != before
-        return out
-
-    def on_weight(runner: StageRunner, mb: int) -> None:
-        before = _grads(runner)
-        weight(runner, mb)
-        counts["w"] += 1
-        counts["w_changed"] += _grads(runner) != before
-
-    StageRunner.backward, StageRunner.weight = on_backward, on_weight  # type: ignore[method-assign]
-    try:
+    with weight_work() as counts:
         _case(mesh, name, options, traced)
-    finally:
-        StageRunner.backward, StageRunner.weight = backward, weight  # type: ignore[method-assign]
-    return counts
+    return dict(counts)
 
 
 def _all(_: None = None) -> dict[str, Any]:

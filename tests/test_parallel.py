@@ -8,9 +8,7 @@ one spawn of 8 covers pp2 x dp2 x tp2.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,8 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 import meshpipe
 from meshpipe.parallel import OwnedRowwise
-from meshpipe.runtime.step.stage import StageRunner
-from meshpipe.testing import run_on_ranks
+from meshpipe.testing import run_on_ranks, weight_work
 
 from parity import D, blocks, check_case, dp_batch, dtensor_case, host_reads, mse
 
@@ -90,40 +87,6 @@ SCALED_PLAN = {
     "*.scale": ReplicateWeights(),
     "*.down": RowwiseParallel(input_layouts=Shard(-1)),
 }
-
-
-@contextlib.contextmanager
-def _where_weights(counts: dict[str, int]) -> Iterator[None]:
-    """Count the I actions that changed a weight gradient (local parts) and the W actions
-    that did, of all W actions."""
-    backward, weight = StageRunner.backward, StageRunner.weight
-
-    def sums(runner: StageRunner) -> list[float]:
-        grads = [p.grad for p in runner.module.parameters()]
-        return [
-            float(g.to_local().sum() if isinstance(g, DTensor) else g.sum())
-            if g is not None
-            else 0.0
-            for g in grads
-        ]  # noqa: E501
-
-    def on_backward(runner: StageRunner, mb: int, grads: Any, split: bool) -> Any:
-        before = sums(runner)
-        out = backward(runner, mb, grads, split)
-        counts["i_changed"] += split and sums(runner) != before
-        return out
-
-    def on_weight(runner: StageRunner, mb: int) -> None:
-        before = sums(runner)
-        weight(runner, mb)
-        counts["w"] += 1
-        counts["w_changed"] += sums(runner) != before
-
-    StageRunner.backward, StageRunner.weight = on_backward, on_weight  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        StageRunner.backward, StageRunner.weight = backward, weight  # type: ignore[method-assign]
 
 
 def _train_case(
@@ -266,11 +229,11 @@ def _four() -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     before = counters["stats"]["unique_graphs"]
-    where = out["tp-zbv-compiled-where"] = {"i_changed": 0, "w_changed": 0, "w": 0}
-    with _where_weights(where):
+    with weight_work() as where:
         out["tp-zbv-compiled"] = _train_case(
             tp_mesh, "zbv", None, tp=True, compile={"backend": "aot_eager"}
         )
+    out["tp-zbv-compiled-where"] = dict(where)
     out["tp-zbv-compiled-graphs"] = counters["stats"]["unique_graphs"] - before
     # a replicated weight whose gradient comes sharded: W wraps it as AOTAutograd describes
     # the gradient, not as the weight is laid out

@@ -10,12 +10,12 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshpipe.launch.loopback import loopback_interface, loopback_store
 
-__all__ = ["run_on_ranks", "RankFailure", "free_port", "share_gpu"]
+__all__ = ["run_on_ranks", "RankFailure", "free_port", "share_gpu", "weight_work"]
 
 # imported once by the fork server that starts the ranks (see _context): importing torch
 # costs seconds of CPU, which every spawned rank would pay again
@@ -217,3 +217,45 @@ def run_on_ranks(
             {**errors, **{r: "timed out" for r in missing}},
         )
     return [values[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def weight_work() -> Iterator[dict[str, int]]:
+    """Count, within, where a split backward's weight-gradient work happens: the I actions
+    that changed a weight gradient of their stage (``i_changed``; 0 when the split works),
+    the W actions that did (``w_changed``), of all W actions (``w``). Compares each
+    gradient's sum (a DTensor's local part) before and after the action, in this process;
+    a test of zero-bubble schedules, compiled or not, that W does the weight work."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from meshpipe.runtime.step.stage import StageRunner
+
+    counts = {"i_changed": 0, "w_changed": 0, "w": 0}
+    backward, weight = StageRunner.backward, StageRunner.weight
+
+    def sums(runner: StageRunner) -> list[float]:
+        out = []
+        for p in runner.module.parameters():
+            g = p.grad
+            local = g.to_local() if isinstance(g, DTensor) else g
+            out.append(float(local.sum()) if isinstance(local, torch.Tensor) else 0.0)
+        return out
+
+    def on_backward(runner: StageRunner, mb: int, grads: Any, split: bool) -> Any:
+        before = sums(runner)
+        out = backward(runner, mb, grads, split)
+        counts["i_changed"] += split and sums(runner) != before
+        return out
+
+    def on_weight(runner: StageRunner, mb: int) -> None:
+        before = sums(runner)
+        weight(runner, mb)
+        counts["w"] += 1
+        counts["w_changed"] += sums(runner) != before
+
+    StageRunner.backward, StageRunner.weight = on_backward, on_weight  # type: ignore[method-assign,assignment]
+    try:
+        yield counts
+    finally:
+        StageRunner.backward, StageRunner.weight = backward, weight  # type: ignore[method-assign]
