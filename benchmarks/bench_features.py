@@ -32,6 +32,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {},
     "activation_checkpointing='full'": {"activation_checkpointing": "full"},
     "compile=True": {"compile": True},
+    "compile=True, 'full'": {"compile": True, "activation_checkpointing": "full"},
 }
 
 
@@ -80,7 +81,7 @@ def main() -> int:
     ap.add_argument("--fsdp", action="store_true", help="pp=2 x dp=2 (4 ranks), dp='fsdp'")
     ap.add_argument("--reps", type=int, default=8, help="measured steps per variant")
     args = ap.parse_args()
-    variants = [k for k in VARIANTS if not (args.no_compile and k == "compile=True")]
+    variants = [k for k in VARIANTS if not (args.no_compile and k.startswith("compile"))]
     world = 4 if args.fsdp else 2
     res = run_on_ranks(_ranks, world, args.reps, variants, args.fsdp, timeout=900)[0]
     print("| schedule | " + " | ".join(variants) + " |")

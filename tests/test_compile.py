@@ -22,7 +22,9 @@ from parity import D, blocks, check_case, grad_diff, mse, refusal
 SCHEDULES = ["1f1b", "zbv", "zbh1", "interleaved_1f1b"]
 
 
-def _case(mesh: Any, name: str, options: Any, traced: bool = False) -> dict[str, float]:
+def _case(
+    mesh: Any, name: str, options: Any, traced: bool = False, **extra: Any
+) -> dict[str, float]:
     # a fresh dynamo per case: past its recompile limit (8 per code object) torch runs the
     # code eager without a word, and the later cases would test nothing
     torch._dynamo.reset()
@@ -30,7 +32,7 @@ def _case(mesh: Any, name: str, options: Any, traced: bool = False) -> dict[str,
     ref = copy.deepcopy(net)
     example = {"example_args": (torch.randn(8, D),)} if traced else {}
     pipe = meshpipe.Pipeline(
-        net, mesh, name, num_microbatches=4, loss_fn=mse, compile=options, **example
+        net, mesh, name, num_microbatches=4, loss_fn=mse, compile=options, **example, **extra
     )
     worst = {"loss": 0.0, "grad": 0.0}
     for seed in range(2):  # the second step runs the cached compiled code
@@ -46,11 +48,29 @@ def _case(mesh: Any, name: str, options: Any, traced: bool = False) -> dict[str,
     return worst
 
 
-def _where_weights(mesh: Any, name: str, options: Any, traced: bool = False) -> dict[str, int]:
+def _where_weights(
+    mesh: Any, name: str, options: Any, traced: bool = False, **extra: Any
+) -> dict[str, int]:
     """How many I actions changed a weight gradient, and how many W actions did (of all)."""
     with weight_work() as counts:
-        _case(mesh, name, options, traced)
+        _case(mesh, name, options, traced, **extra)
     return dict(counts)
+
+
+def _saved_peak(mesh: Any, options: Any, policy: Any) -> float:
+    """The peak bytes saved for backward in a step of zbv (``pipe.memory_stats()``), after
+    two steps (the first compiles)."""
+    torch._dynamo.reset()
+    pipe = meshpipe.Pipeline(
+        blocks(16), mesh, "zbv", num_microbatches=4, loss_fn=mse, compile=options,
+        activation_checkpointing=policy,
+    )  # fmt: skip
+    x, y = torch.randn(32, D), torch.randn(32, D)
+    for _ in range(2):
+        pipe.step(x, target=y)
+    pipe.track_memory()
+    pipe.step(x, target=y)
+    return float(pipe.memory_stats()["activations"])
 
 
 def _all(_: None = None) -> dict[str, Any]:
@@ -86,6 +106,16 @@ def _all(_: None = None) -> dict[str, Any]:
     dynamic = {"backend": "aot_eager", "dynamic": True}
     out["dynamic-zbv"] = _case(mesh, "zbv", dynamic)
     out["where-dynamic"] = _where_weights(mesh, "zbv", dynamic)
+    # "full" checkpointing on compiled stages: the replay (F saves nothing, I runs the forward
+    # again) with the split halves; before 2026-12-03 torch's checkpoint with the whole
+    # backward in I (W empty); no second graph for the replay's forward
+    full = {"activation_checkpointing": "full"}
+    before = counters["stats"]["unique_graphs"]
+    out["full-zbv"] = _case(mesh, "zbv", {"backend": "aot_eager"}, **full)
+    out["full-graphs"] = counters["stats"]["unique_graphs"] - before
+    out["where-full"] = _where_weights(mesh, "zbv", {"backend": "aot_eager"}, **full)
+    out["saved-none"] = _saved_peak(mesh, {"backend": "aot_eager"}, None)
+    out["saved-full"] = _saved_peak(mesh, {"backend": "aot_eager"}, "full")
     # each block of a traced stage compiled on its own; the glue between them stays eager
     per_block = {"blocks": True, "backend": "aot_eager"}
     before = counters["stats"]["unique_graphs"]
@@ -176,6 +206,21 @@ def test_w_does_the_weight_work_of_compiled_stages(results: Any, name: str) -> N
         where = res[f"where-{name}"]
         assert where["i_changed"] == 0, (rank, where)
         assert where["w"] > 0 and where["w_changed"] == where["w"], (rank, where)
+
+
+def test_compiled_stages_with_full_checkpointing_keep_the_split(results: Any) -> None:
+    """zbv, compiled, "full": as one process; one graph per stage (the replay's forward
+    compiles no other: the recipes' forward hooks made dynamo compile it again until
+    2026-12-03); no I changes a weight gradient (all did before, with torch's checkpoint
+    and the whole backward in I); less saved for backward at the peak than without
+    checkpointing (rank 0: 18,944 B against 36,864; rank 1, four microbatches between I and
+    W at its peak: 32,256 against 33,792)."""
+    check_case(results, "full-zbv")
+    for rank, res in enumerate(results):
+        assert res["full-graphs"] == 2, (rank, res["full-graphs"])
+        where = res["where-full"]
+        assert where["i_changed"] == 0 and where["w_changed"] == where["w"] > 0, (rank, where)
+        assert res["saved-full"] < (0.6, 1.0)[rank] * res["saved-none"], (rank, res)
 
 
 def test_a_backend_without_the_split_runs_the_weight_work_in_i(results: Any) -> None:

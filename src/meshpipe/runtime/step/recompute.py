@@ -204,12 +204,15 @@ def _called(name: str, units: tuple[str, ...]) -> bool:
 
 
 def backward_plan(policy: Policy, full: bool, compiled: str, dp: str | None) -> tuple[bool, bool]:
-    """(replay, fused backward) of a stage. "full" on a plain stage replays its forward
-    once, at I; torch.utils.checkpoint (chosen submodules, FSDP2 stages, compiled stages)
-    recomputes per backward call, so there the whole backward runs in I (W empty) rather
-    than recomputing twice. A stage compiled with a fused backward (``compiled ==
-    "fused"``) runs it whole in I; a split one (``"split"``) keeps I and W apart."""
-    replay = full and not compiled and dp not in ("fsdp", "hsdp")
+    """(replay, fused backward) of a stage. "full" replays the stage's forward once, at I,
+    on plain stages and on stages compiled with a split backward (``compiled == "split"``:
+    the replay runs the compiled forward, whose halves then keep I and W apart; until
+    2026-12-03 those used torch.utils.checkpoint with the whole backward in I).
+    torch.utils.checkpoint (chosen submodules, FSDP2 stages, stages compiled with a fused
+    backward) recomputes per backward call, so there the whole backward runs in I (W
+    empty) rather than recomputing twice. A fused compiled backward (``"fused"``) runs
+    whole in I."""
+    replay = full and compiled != "fused" and dp not in ("fsdp", "hsdp")
     return replay, compiled == "fused" or (policy is not None and not replay)
 
 

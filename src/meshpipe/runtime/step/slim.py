@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -144,11 +144,16 @@ class Boxes:
         return box.value()
 
     @contextmanager
-    def saving(self, module: nn.Module) -> Iterator[None]:
+    def saving(self, module: nn.Module | None) -> Iterator[None]:
         """Within: tensors saved for backward go into this object's boxes; the operations
-        ``module``'s norms run are noted (runtime/step/recipes.py)."""
+        ``module``'s norms run are noted (runtime/step/recipes.py). None: none noted (a
+        compiled stage, whose forward hooks dynamo would guard: a forward with them compiles
+        again; its W keeps its own inputs, runtime/step/split_compile.py)."""
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        with hooks, recording(self._recorder, module):
+        noting: AbstractContextManager[Any] = (
+            recording(self._recorder, module) if module is not None else nullcontext()
+        )
+        with hooks, noting:
             yield
         self._recorder.made.clear()
         self._held.clear()

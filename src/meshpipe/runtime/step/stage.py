@@ -93,6 +93,9 @@ class StageRunner:
         self.autocast = autocast
         self.recompute = recompute and not replay  # torch.utils.checkpoint of the stage
         self.module = module
+        # whose norms a replay's boxes note, to make their outputs again at W (none on a
+        # compiled stage: the hooks would make dynamo compile its forward again)
+        self._noted = None if split_compiled else module
         self.is_first = is_first
         self.is_last = is_last
         self.loss_fn = loss_fn
@@ -284,7 +287,7 @@ class StageRunner:
         saved.boxes = Boxes() if split else None
         if saved.boxes is None:
             return contextlib.nullcontext()
-        return saved.boxes.saving(self.module)
+        return saved.boxes.saving(self._noted)
 
     def _backward(self, mb: int, grads: Any, split: bool) -> list[torch.Tensor | None]:
         saved = self._saved[mb]
@@ -342,7 +345,7 @@ class StageRunner:
                 roots = saved.roots
                 if saved.replay is not None:
                     boxes = Boxes()  # cheap tensors made again, not held (runtime/step/slim.py)
-                    with boxes.saving(self.module):
+                    with boxes.saving(self._noted):
                         roots = saved.replay.run()
                 backward_full(roots, saved.later, [])
             return
