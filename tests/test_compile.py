@@ -261,6 +261,35 @@ def test_inductor_halves_give_the_eager_gradients() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_inductor_halves_with_dropout() -> None:
+    """In one process: a stage with dropout compiled by inductor. Inductor rewrites its
+    random ops in its joint-graph passes, which the split backend skipped until 2026-12-03
+    (lowering stopped: "should have been handled in replace_random.py"). The split's I and
+    W give the gradients of B on the same random state (the same masks), I setting none."""
+    from meshpipe.runtime.step.backward import backward_full, backward_input
+    from meshpipe.runtime.step.compiling import compile_stage
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5), nn.Linear(D, D))
+    assert compile_stage(net, {}) == "split"
+    x = torch.randn(8, D, requires_grad=True)
+    grads = []
+    for split in (False, True):
+        net.zero_grad()
+        torch.manual_seed(3)
+        out = net(x)
+        if split:
+            _, pending = backward_input([out], [torch.ones_like(out)], [x], compiled=True)
+            assert all(p.grad is None for p in net.parameters())
+            pending.run()
+        else:
+            backward_full([out], [torch.ones_like(out)], [x])
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+    assert float(grads[0][0].abs().sum()) > 0
+
+
 def test_inductor_halves_of_a_moe_stage() -> None:
     """In one process: Qwen3-MoE's traced last stage compiled by inductor. Its backward
     graph holds Hugging Face's grouped-mm backward, one node whose result I (the input's

@@ -235,6 +235,12 @@ def _four() -> dict[str, Any]:
         )
     out["tp-zbv-compiled-where"] = dict(where)
     out["tp-zbv-compiled-graphs"] = counters["stats"]["unique_graphs"] - before
+    # and with "full" checkpointing: the replay runs the compiled forward again
+    with weight_work() as where:
+        out["tp-zbv-compiled-checkpointed"] = _train_case(
+            tp_mesh, "zbv", None, tp=True, compile={"backend": "aot_eager"}, **full
+        )
+    out["tp-zbv-compiled-checkpointed-where"] = dict(where)
     # a replicated weight whose gradient comes sharded: W wraps it as AOTAutograd describes
     # the gradient, not as the weight is laid out
     torch.manual_seed(0)
@@ -304,6 +310,7 @@ def four() -> list[dict[str, Any]]:
         "fsdp-zbv-checkpointed",
         "tp-zbv-checkpointed",
         "tp-zbv-compiled",
+        "tp-zbv-compiled-checkpointed",
         "tp-zbv-compiled-inplace",
         "tp-zbv-scaled",
         "tp-zbv-scaled-compiled",
@@ -321,11 +328,12 @@ def test_tensor_parallel_stages_compile(four: list[dict[str, Any]]) -> None:
 def test_compiled_tensor_parallel_stages_leave_weight_work_to_w(
     four: list[dict[str, Any]],
 ) -> None:
-    """zbv, pp2 x tp2, compiled: no I changes a weight gradient, every W does (3 steps x 4
-    microbatches x 2 stages per rank)."""
+    """zbv, pp2 x tp2, compiled, with and without "full" checkpointing: no I changes a
+    weight gradient, every W does (3 steps x 4 microbatches x 2 stages per rank)."""
     for rank, res in enumerate(four):
-        where = res["tp-zbv-compiled-where"]
-        assert where == {"i_changed": 0, "w_changed": 24, "w": 24}, (rank, where)
+        for case in ("tp-zbv-compiled", "tp-zbv-compiled-checkpointed"):
+            where = res[f"{case}-where"]
+            assert where == {"i_changed": 0, "w_changed": 24, "w": 24}, (rank, case, where)
 
 
 def test_bad_spmd_input_is_refused_clearly(four: list[dict[str, Any]]) -> None:

@@ -334,6 +334,17 @@ def _weights(outs: Sequence[Any], groups: Sequence[_Group], is_param: Sequence[b
     return weight
 
 
+def _inductor_partition(gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's joint-graph passes and partitioner, in the fake mode of the graph's
+    inputs, as inductor's own backend runs them."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import compile_fx
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+        return compile_fx.partition_fn(gm, joint_inputs, **kwargs)
+
+
 def split_backend(name: str) -> Callable[..., Any]:
     """A torch.compile backend (``inductor`` or ``aot_eager`` underneath) whose compiled
     backward runs as I and W separately under :func:`collecting`."""
@@ -362,10 +373,18 @@ def split_backend(name: str) -> Callable[..., Any]:
 
         kwargs: dict[str, Any] = {"bw_compiler": bw_compiler}
         if inductor:
-            from torch._inductor.compile_fx import compile_fx_inner
+            from torch._inductor import compile_fx
             from torch._inductor.decomposition import select_decomp_table
 
-            kwargs.update(fw_compiler=compile_fx_inner, decompositions=select_decomp_table())
+            kwargs.update(
+                fw_compiler=compile_fx.compile_fx_inner, decompositions=select_decomp_table()
+            )
+            # inductor's own joint-graph passes and partitioner: its random ops (dropout)
+            # are rewritten there, and lowering refuses them otherwise ("should have been
+            # handled in replace_random.py"); the min-cut partitioner recomputes cheap
+            # values in the backward instead of saving them
+            if hasattr(compile_fx, "partition_fn"):
+                kwargs["partition_fn"] = _inductor_partition
         else:
             from functorch.compile import make_boxed_func
 
