@@ -290,6 +290,36 @@ def test_inductor_halves_with_dropout() -> None:
     assert float(grads[0][0].abs().sum()) > 0
 
 
+def test_w_of_a_compiled_stage_runs_the_weights_gradient_hooks() -> None:
+    """In one process (aot_eager): a weight's gradient hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``) run when W accumulates its gradient, once, as a
+    backward runs them (W set ``.grad`` directly until 2026-12-03, and they never ran: an
+    optimizer stepping in a hook would silently not step); the hook's change to the
+    gradient is kept; the other weights' gradients are B's."""
+    from meshpipe.runtime.step.backward import backward_full, backward_input
+    from meshpipe.runtime.step.compiling import compile_stage
+
+    torch.manual_seed(0)
+    net = blocks(2)
+    ref = copy.deepcopy(net)
+    assert compile_stage(net, {"backend": "aot_eager"}) == "split"
+    calls: list[str] = []
+    first, last = net[0].up.weight, net[1].down.bias
+    first.register_post_accumulate_grad_hook(lambda p: calls.append("after"))
+    last.register_hook(lambda g: (calls.append("hook"), g * 2)[1])
+    ref[1].down.bias.register_hook(lambda g: g * 2)
+    x = torch.randn(8, D, requires_grad=True)
+    out = net(x)
+    _, pending = backward_input([out], [torch.ones_like(out)], [x], compiled=True)
+    assert calls == [] and first.grad is None
+    pending.run()
+    assert sorted(calls) == ["after", "hook"], calls
+    x2 = x.detach().clone().requires_grad_()
+    backward_full([ref(x2)], [torch.ones(8, D)], [x2])
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_inductor_halves_of_a_moe_stage() -> None:
     """In one process: Qwen3-MoE's traced last stage compiled by inductor. Its backward
     graph holds Hugging Face's grouped-mm backward, one node whose result I (the input's

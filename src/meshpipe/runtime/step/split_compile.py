@@ -251,7 +251,17 @@ class _WeightHalf:
                 grad = meta.creation_fn(flat, is_runtime=True)
             else:
                 grad = late[g.start]
-            p.grad = grad if p.grad is None else p.grad.add_(grad)
+            if _hooked(p):  # through the engine's accumulation, which runs the hooks
+                torch.autograd.backward([p], [grad])
+            else:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+
+
+def _hooked(p: torch.Tensor) -> bool:
+    """Whether a weight has hooks on its gradient (``register_hook``,
+    ``register_post_accumulate_grad_hook``) that a backward runs when it accumulates it."""
+    hooks = getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None)
+    return any(hooks)
 
 
 def _backward(
