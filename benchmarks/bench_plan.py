@@ -8,9 +8,9 @@ microbatches = 2 x pp) and a small grid (1f1b / gpipe / zbh1 x 2, 4, 8 microbatc
 even split, and pure data parallelism), each as a user runs it: one pipeline alive at a
 time, over ``--rounds`` rounds of every configuration in turn. Reports measured/default
 (under a cap where the default does not fit as measured, also measured/the default with
-every stage recomputing, what its user would run), measured/best (the best of those under the cap as measured), predicted/measured, and,
-under a cap, the measured peak bytes (``pipe.memory_stats()``) against the cap and the
-prediction.
+every stage recomputing, what its user would run), measured/best (the best of those under
+the cap as measured), predicted/measured, and, under a cap, the measured peak bytes
+(``pipe.memory_stats()``) against the cap and the prediction.
 
     .venv/bin/python benchmarks/bench_plan.py [--world 2] [--steps 12] [--rounds 4]
         [--json out.json] [--measure-p2p] [--measure-machine] [--calibrate]
