@@ -219,6 +219,18 @@ def _four() -> dict[str, Any]:
     # replay with TP (the forward's collectives run again at I)
     full = {"activation_checkpointing": "full"}
     out["fsdp-zbv-checkpointed"] = _train_case(mesh, "zbv", "fsdp", tp=False, **full)
+    # compiled FSDP2 stages: one fused backward run whole by I before 2026-12-03 (22nd
+    # session); FSDP2's post-backward at I's end reduces nothing mid-step, so W can do the
+    # weight half
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    with weight_work() as where:
+        out["fsdp-zbv-compiled"] = _train_case(
+            mesh, "zbv", "fsdp", tp=False, compile={"backend": "aot_eager"}
+        )
+    out["fsdp-zbv-compiled-where"] = dict(where)
+    out["fsdp-zbv-compiled-graphs"] = counters["stats"]["unique_graphs"] - before
     tp_mesh = meshpipe.init_mesh(pp=2, tp=2)
     for s in schedules:
         out[f"tp-{s}"] = _train_case(tp_mesh, s, None, tp=True)
@@ -226,8 +238,6 @@ def _four() -> dict[str, Any]:
     # compiled tp stages: AOTAutograd's backward returns the DTensors' local gradients and
     # wraps them itself (a PipelineError mid-step before 2026-12-03, then one fused backward
     # run whole by I); W now wraps the weight half's gradients and sets them
-    from torch._dynamo.utils import counters
-
     before = counters["stats"]["unique_graphs"]
     with weight_work() as where:
         out["tp-zbv-compiled"] = _train_case(
@@ -308,6 +318,7 @@ def four() -> list[dict[str, Any]]:
         "tp-1f1b",
         "tp-zbv",
         "fsdp-zbv-checkpointed",
+        "fsdp-zbv-compiled",
         "tp-zbv-checkpointed",
         "tp-zbv-compiled",
         "tp-zbv-compiled-checkpointed",
@@ -320,18 +331,20 @@ def test_three_adamw_steps_match_one_process(four: list[dict[str, Any]], case: s
     check_case(four, case, ATOL)
 
 
-def test_tensor_parallel_stages_compile(four: list[dict[str, Any]]) -> None:
+def test_tensor_parallel_and_fsdp_stages_compile(four: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(four):
-        assert res["tp-zbv-compiled-graphs"] >= 2, (rank, res["tp-zbv-compiled-graphs"])
+        for case in ("tp-zbv-compiled", "fsdp-zbv-compiled"):
+            assert res[f"{case}-graphs"] >= 2, (rank, case, res[f"{case}-graphs"])
 
 
-def test_compiled_tensor_parallel_stages_leave_weight_work_to_w(
+def test_compiled_tensor_parallel_and_fsdp_stages_leave_weight_work_to_w(
     four: list[dict[str, Any]],
 ) -> None:
-    """zbv, pp2 x tp2, compiled, with and without "full" checkpointing: no I changes a
-    weight gradient, every W does (3 steps x 4 microbatches x 2 stages per rank)."""
+    """zbv, pp2 x tp2 compiled with and without "full" checkpointing, and pp2 x dp2 FSDP2
+    compiled: no I changes a weight gradient, every W does (3 steps x 4 microbatches x 2
+    stages per rank)."""
     for rank, res in enumerate(four):
-        for case in ("tp-zbv-compiled", "tp-zbv-compiled-checkpointed"):
+        for case in ("tp-zbv-compiled", "tp-zbv-compiled-checkpointed", "fsdp-zbv-compiled"):
             where = res[f"{case}-where"]
             assert where == {"i_changed": 0, "w_changed": 24, "w": 24}, (rank, case, where)
 

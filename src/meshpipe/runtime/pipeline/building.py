@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshpipe.errors import PipelineError
-from meshpipe.runtime.mesh.spmd import SHARDED, Spmd
+from meshpipe.runtime.mesh.spmd import Spmd
 from meshpipe.runtime.mesh.stage_meshes import is_stage_meshes, stage_topology
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.runtime.step.compiling import compile_stage
@@ -94,7 +94,7 @@ def build_runners(
         module.train(training)
         policy = stage_policy(opts.recompute, s)
         full = apply_policy(module, policy, s)
-        compiled = compile_stage(module, opts.compile, split=spmd.dp not in SHARDED, index=s)
+        compiled = compile_stage(module, opts.compile, index=s)
         replay, fused = backward_plan(policy, full, compiled, spmd.dp)
         runners[s] = StageRunner(
             s, module, is_first=s == 0, is_last=s == sched.num_stages - 1,

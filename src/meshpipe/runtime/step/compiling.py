@@ -5,9 +5,8 @@ A stage's forward is compiled in place (``module.forward = torch.compile(module.
 their names and module hooks (FSDP2, TP styles) run around the compiled code. With the
 ``inductor`` (default) or ``aot_eager`` backend the backward is compiled in two halves,
 input work and weight work (runtime/step/split_compile.py), so the zero-bubble schedules' W does
-the weight-gradient work. Other backends, ``mode=`` or ``options=``, and FSDP2 stages
-(whose gradient reduction starts when the input gradients are done) get one fused backward:
-I runs it whole and W is empty.
+the weight-gradient work, on plain, tensor-parallel and FSDP2 stages alike. Other backends,
+``mode=`` or ``options=`` get one fused backward: I runs it whole and W is empty.
 """
 
 from __future__ import annotations
@@ -69,9 +68,7 @@ def stage_blocks(module: nn.Module, index: int) -> list[tuple[str, nn.Module]]:
     )
 
 
-def compile_stage(
-    module: nn.Module, options: dict[str, Any] | None, split: bool = True, index: int = 0
-) -> str:
+def compile_stage(module: nn.Module, options: dict[str, Any] | None, index: int = 0) -> str:
     """Compile ``module``'s forward in place, or each of its blocks' (``blocks``):
     ``"split"`` (the backward in input and weight halves), ``"fused"`` (one backward node),
     or ``""`` when not compiled."""
@@ -81,7 +78,7 @@ def compile_stage(
     per_block = opts.pop("blocks", False)
     backend = opts.pop("backend", "inductor")
     splittable = (
-        split and isinstance(backend, str) and backend in SPLIT_BACKENDS
+        isinstance(backend, str) and backend in SPLIT_BACKENDS
         and not {"mode", "options"} & set(opts)
     )  # fmt: skip
     chosen = split_backend(backend) if splittable else backend
