@@ -94,6 +94,10 @@ class Spmd:
         self.ep_plan = ep_plan
         self.ep_stats = EpStats()
         self._experts: dict[int, list[nn.Parameter]] = {}  # stage -> its expert parameters
+        # stage -> names of the parameters it shares with another stage of this rank, and
+        # those parameters (one entry each): reduced over dp at the step's end (_check_shared)
+        self._shared_names: dict[int, set[str]] = {}
+        self._shared: dict[int, nn.Parameter] = {}
         self.topo = topo
         self.dp = dp if topo.dp_size > 1 else None  # dp= on size-1 axes is a no-op
         # FSDP2's unit: the 2-d (dp_replicate, dp) mesh for hsdp, every replica for fsdp (and
@@ -145,10 +149,43 @@ class Spmd:
             check_tp_plan(all_stages, self._plan_to_check, tp, applies)  # type: ignore[arg-type]
         if self._plan_to_check is not None:
             self._check_tied(all_stages, placement)
+        self._check_shared(all_stages, placement)
         eps = self.topo.ep_sizes
         if self.ep_plan is not None:  # checked at ep=1 too: a wrong pattern fails now
             per_stage = [eps[placement[s]] if eps else 1 for s in range(len(all_stages))]
             check_ep_plan(all_stages, self.ep_plan, per_stage)
+
+    def _check_shared(self, all_stages: Sequence[nn.Module], placement: Sequence[int]) -> None:
+        """A parameter held by two stages of one rank (tied embeddings on a V schedule's first
+        and last stage) is one tensor there. Each stage's own dp reduction (DDP-style
+        replicas, FSDP2) would reduce it once per stage, or shard each stage's copy apart:
+        wrong gradients (until 2026-12-03). So it stays out of them, whole on every replica,
+        and is summed over dp once at the step's end. FSDP2's mixed precision cannot cast
+        what it does not hold: refused on every rank alike."""
+        if self.dp not in ("ddp", *SHARDED):
+            return
+        me = self.topo.pp_rank
+        shared: list[str] = []
+        for where in find_tied(all_stages):
+            by_rank: dict[int, list[int]] = {}
+            for s in where:
+                by_rank.setdefault(placement[s], []).append(s)
+            for rank, stages in by_rank.items():
+                if len(stages) < 2:
+                    continue
+                shared.append(f"{[where[s] for s in stages]} on stages {stages} of pp rank {rank}")
+                if rank == me:
+                    for s in stages:
+                        self._shared_names.setdefault(s, set()).add(where[s])
+        if shared and self.mp_policy is not None:
+            raise PipelineError(
+                "mp_policy with parameters shared by two stages of one pp rank "
+                f"({'; '.join(shared)}): FSDP2 cannot hold them for both stages, and kept "
+                "whole they would not be cast; untie them, pick a schedule that puts those "
+                "stages on different ranks (1f1b, interleaved_1f1b), or drop mp_policy"
+            )
+        if shared:
+            log.info("parameters shared by stages of one rank, reduced over dp once: %s", shared)
 
     def _check_tied(self, all_stages: Sequence[nn.Module], placement: Sequence[int]) -> None:
         """Copies of a tied parameter laid out differently by the tp plan (a sharded head
@@ -204,12 +241,22 @@ class Spmd:
                 lambda work, what: wait_bounded(work, timeout, what, None),
             )  # fmt: skip
         experts = self._experts[stage] = self._apply_ep(module)
-        skip = {id(p) for p in experts}
+        names = self._shared_names.get(stage, set())
+        shared = [p for n, p in module.named_parameters() if n in names]
+        dp = topo.dp_size
+        for p in shared:
+            if id(p) not in self._shared:  # one all-reduce over dp at the step's end
+                self._shared[id(p)] = p
+                ring = 2 * _ring(p.numel() * p.element_size(), dp)
+                self._dp_bytes_base += ring
+                self.dp_bytes_per_step += ring
+                self.dp_bytes_min += ring
+        skip = {id(p) for p in (*experts, *shared)}
         plain: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in skip]
         param_bytes = sum(p.numel() * p.element_size() for p in plain)
-        dp = topo.dp_size
         if self.dp in SHARDED and self._shard_mesh is not None:
-            sharded = apply_fsdp(module, self._shard_mesh, self.mp_policy, set(experts))
+            ignored = {*experts, *shared}
+            sharded = apply_fsdp(module, self._shard_mesh, self.mp_policy, ignored)
             self._fsdp[stage] = sharded
             self._param_bytes[stage] = param_bytes
             # at least one all-gather and one reduce-scatter of the stage per step (ring),
@@ -249,6 +296,15 @@ class Spmd:
         """(the others, the expert parameters) of ``params``."""
         ids = {id(p) for ps in self._experts.values() for p in ps}
         return [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
+
+    def split_shared(
+        self, params: Sequence[nn.Parameter]
+    ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(the others, the parameters two local stages share, reduced at the step's end)."""
+        return (
+            [p for p in params if id(p) not in self._shared],
+            [p for p in params if id(p) in self._shared],
+        )
 
     @property
     def expert_group(self) -> Any:

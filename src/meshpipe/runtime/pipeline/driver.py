@@ -304,7 +304,10 @@ class StepDriver:
         # expert parameters: summed over the processes holding the same experts, scaled as
         # the rest (their own ep group's tokens are already in them, by the all-to-alls)
         plain, experts = spmd.split_experts(params)
-        groups = [(plain, dp_group), (experts, spmd.expert_group)]
+        # parameters two local stages share (dp="ddp"/"fsdp"): outside the stages' own
+        # reductions, summed over dp here
+        plain, shared = spmd.split_shared(plain)
+        groups = [(plain, dp_group), (experts, spmd.expert_group), (shared, dp_group)]
         if spmd.uses_fsdp:
             acc.check_uniform(scale * gs)
         if not acc.usual:  # kept locally until the window's end: weighted now
@@ -313,6 +316,7 @@ class StepDriver:
         elif spmd.grads_summed_elsewhere:
             reduce_grads(plain, scale * factor * gs, None)
             reduce_grads(experts, scale * gs, spmd.expert_group, self.timeout, watchdog)
+            reduce_grads(shared, scale * gs, dp_group, self.timeout, watchdog)
         else:
             for group_params, group in groups:
                 reduce_grads(group_params, scale * gs, group, self.timeout, watchdog, weight)
