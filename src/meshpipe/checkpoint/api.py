@@ -41,7 +41,7 @@ def _local_save_state(
     state = {MODEL + k: whole(v) for k, v in model_state(t.modules).items()}
     info: dict[str, Any] = {"extra": encode(extra or {}), "optim": None}
     if optimizer is not None:
-        tensors, info["optim"] = optimizer_state(optimizer, t.named_params)
+        tensors, info["optim"] = optimizer_state(optimizer, t.named_params, t.aliases)
         state.update({k: whole(v) for k, v in tensors.items()})
     return state, info
 

@@ -34,6 +34,7 @@ from meshpipe.checkpoint.state import (
     compare,
     model_state,
     optimizer_load,
+    optimizer_names,
     optimizer_request,
     raise_gathered,
 )
@@ -122,12 +123,13 @@ def _plan_load(
     if optimizer is not None:
         if record["optimizer"] is None:
             raise CheckpointError(f"{directory} holds no optimizer state", path=directory)
+        saved_as = optimizer_names(t.named_params, t.aliases, record["optimizer"])
         optim, optim_missing = optimizer_request(
-            optimizer, t.named_params, metadata, record["optimizer"]
+            optimizer, t.named_params, metadata, record["optimizer"], saved_as
         )
         missing += optim_missing
         plan.commit_optimizer = optimizer_load(
-            optimizer, t.named_params, optim, record["optimizer"]
+            optimizer, t.named_params, optim, record["optimizer"], saved_as
         )
         plan.request.update(optim)
     found = {"error": None, "keys": sorted(local), "missing": missing, "mismatched": mismatched}

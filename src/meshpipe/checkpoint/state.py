@@ -9,7 +9,7 @@ state go to JSON (``OptimJson``), grouped by the parameters' names.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -103,9 +103,12 @@ def _group_params(
 
 
 def optimizer_state(
-    optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, nn.Parameter]]
+    optimizer: torch.optim.Optimizer,
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    aliases: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """DCP tensors and the JSON part (class, hyperparameters, non-tensor state) by name."""
+    """DCP tensors and the JSON part (class, hyperparameters, non-tensor state, and the
+    other names of parameters held under several: ``aliases``) by name."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
@@ -127,7 +130,8 @@ def optimizer_state(
                     tensors[f"{OPTIM}{name}.{key}"] = value
                 else:
                     scalars.setdefault(name, {})[key] = encode(value, f"optimizer state[{name!r}]")
-    return tensors, {"class": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
+    record = {"class": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
+    return tensors, {**record, "aliases": dict(aliases or {})}
 
 
 def merge_optim_json(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -148,7 +152,37 @@ def merge_optim_json(parts: list[dict[str, Any]]) -> dict[str, Any]:
                     entry["params"].append(name)
         for name, values in part["scalars"].items():
             scalars.setdefault(name, values)
-    return {"class": classes[0], "param_groups": list(merged.values()), "scalars": scalars}
+    aliases = {a: n for part in parts for a, n in part.get("aliases", {}).items()}
+    return {
+        "class": classes[0], "param_groups": list(merged.values()), "scalars": scalars,
+        "aliases": aliases,
+    }  # fmt: skip
+
+
+def optimizer_names(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    aliases: Mapping[str, str],
+    saved: dict[str, Any],
+) -> dict[str, str]:
+    """Each parameter's name here -> the name the checkpoint holds its optimizer state under.
+
+    A tied weight is one parameter under two names (a head and the embedding). Where one
+    process held both (the two stages on one rank, or the unsplit model), its state was
+    saved under the first name only; a layout where a process holds the second name alone
+    finds it through the aliases the saving and the loading sides recorded."""
+    known = {name for g in saved["param_groups"] for name in g["params"]}
+    linked: dict[str, set[str]] = {}
+    for a, b in [*saved.get("aliases", {}).items(), *aliases.items()]:
+        group = linked.get(a, {a}) | linked.get(b, {b})
+        for n in group:
+            linked[n] = group
+    out: dict[str, str] = {}
+    for name, _p in named_params:
+        if name not in known:
+            found = sorted(linked.get(name, set()) & known)
+            if found:
+                out[name] = found[0]
+    return out
 
 
 def _allocate(md: TensorStorageMetadata, param: torch.Tensor) -> torch.Tensor:
@@ -166,8 +200,11 @@ def optimizer_request(
     named_params: Iterable[tuple[str, nn.Parameter]],
     metadata: Metadata,
     saved: dict[str, Any],
+    saved_as: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Tensors for DCP to fill with this optimizer's state, and the names it lacks."""
+    """Tensors for DCP to fill with this optimizer's state, and the names it lacks
+    (``saved_as``: a name here -> the name it was saved under, where they differ)."""
+    saved_as = saved_as or {}
     if saved["class"] != type(optimizer).__name__:
         raise CheckpointError(
             f"the checkpoint holds {saved['class']} state but the optimizer is a "
@@ -182,7 +219,8 @@ def optimizer_request(
     request: dict[str, torch.Tensor] = {}
     missing: list[str] = []
     for named in _group_params(optimizer, named_params):
-        for name, p in named:
+        for here, p in named:
+            name = saved_as.get(here, here)
             if name not in known:
                 missing.append(f"optim.param_groups.{name}")
             for key in by_param.get(name, []):
@@ -232,6 +270,7 @@ def optimizer_load(
     named_params: Iterable[tuple[str, nn.Parameter]],
     loaded: dict[str, torch.Tensor],
     saved: dict[str, Any],
+    saved_as: Mapping[str, str] | None = None,
 ) -> Callable[[], None]:
     """Prepare loaded state and saved hyperparameters for ``optimizer``, changing nothing.
 
@@ -251,7 +290,9 @@ def optimizer_load(
     # commit (DCP fills them after this returns): (entry, state key, parameter)
     strided: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     index = 0
-    for group, named in zip(native["param_groups"], _group_params(optimizer, named_params)):
+    renamed = saved_as or {}
+    for group, here in zip(native["param_groups"], _group_params(optimizer, named_params)):
+        named = [(renamed.get(n, n), p) for n, p in here]
         copies += _set_hparams(group, [n for n, _ in named], hparams)
         for name, param in named:
             entry: dict[str, Any] = dict(by_name.get(name, {}))

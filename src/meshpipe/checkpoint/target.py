@@ -27,6 +27,7 @@ class Target:
 
     modules: list[nn.Module]
     named_params: list[tuple[str, nn.Parameter]]
+    aliases: dict[str, str]  # another name of a parameter here -> the name in named_params
     layout: dict[str, Any]
     distributed: bool
     rank: int
@@ -64,6 +65,18 @@ class Target:
             raise CheckpointError(error)
 
 
+def _aliases(modules: list[nn.Module], named: list[tuple[str, nn.Parameter]]) -> dict[str, str]:
+    """Each further name of a parameter the modules hold under several (a tied head on the
+    embedding's stage, or in one unsplit model) -> its name in ``named``."""
+    first = {id(p): n for n, p in named}
+    return {
+        name: first[id(p)]
+        for m in modules
+        for name, p in m.named_parameters(remove_duplicate=False)
+        if id(p) in first and name != first[id(p)]
+    }
+
+
 def _pipeline_target(pipe: Pipeline) -> Target:
     lay = pipe.topology.layout
     sizes: dict[str, Any]
@@ -78,9 +91,11 @@ def _pipeline_target(pipe: Pipeline) -> Target:
     coords = dict(pipe.topology.coords)
     distributed = dist.is_available() and dist.is_initialized()
     sched = pipe.schedule
+    named = list(pipe.named_parameters())
     return Target(
         modules=list(pipe.stages),
-        named_params=list(pipe.named_parameters()),
+        named_params=named,
+        aliases=_aliases(list(pipe.stages), named),
         layout={
             "world_size": dist.get_world_size() if distributed else 1,
             "mesh": sizes,
@@ -96,9 +111,11 @@ def _pipeline_target(pipe: Pipeline) -> Target:
 
 
 def _module_target(module: nn.Module) -> Target:
+    named = list(module.named_parameters())
     return Target(
         modules=[module],
-        named_params=list(module.named_parameters()),
+        named_params=named,
+        aliases=_aliases([module], named),
         layout={"world_size": 1, "mesh": {}, "module": type(module).__name__},
         distributed=False,
         rank=0,
