@@ -363,7 +363,7 @@ def test_llama_pp2_tp2_matches_one_process(case: str) -> None:
         assert r["hook_calls"] == (13 if rank >= 2 else 1), (rank, r)
 
 
-def _qwen2(num_layers: int = 4) -> nn.Module:
+def _qwen2(num_layers: int = 4, tie: bool = False) -> nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import split_models as sm
@@ -373,6 +373,7 @@ def _qwen2(num_layers: int = 4) -> nn.Module:
         num_hidden_layers=num_layers, hidden_size=32, intermediate_size=64,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=sm.VOCAB,
         max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        tie_word_embeddings=tie,
     )  # fmt: skip
     return Qwen2ForCausalLM(cfg)
 
@@ -409,6 +410,16 @@ def _qwen2_fsdp() -> dict[str, Any]:
     gaps["mlp_calls_per_block_and_mb"] = calls[0] / (len(mlps) * 4 * len(batches))
     blocks = [m for s in pipe.stages for n, m in s.named_modules() if n.count(".") == 2]
     gaps["fsdp_blocks"] = sum(isinstance(m, FSDPModule) for m in blocks)
+    # a tied head on zbv: the embedding (stage 0) and the head (stage 3) on pp rank 0, one
+    # tensor there (each stage's FSDP2 sharded its own copy before 2026-12-03: wrong)
+    torch.manual_seed(0)
+    model = _qwen2(tie=True)
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "zbv", 4, loss_fn=sm.lm_loss, dp="fsdp",
+        split_points=[f"model.layers.{i}" for i in (1, 2, 3)],
+    )  # fmt: skip
+    gaps["tied_zbv"] = _train(pipe, ref, sm.lm_loss, batches, part)
     return gaps
 
 
@@ -420,6 +431,9 @@ def test_qwen2_pp2_dp2_fsdp_and_checkpointing_per_block_matches_one_process() ->
         assert r["fsdp_blocks"] == 2, (rank, r)
         # each decoder layer checkpointed: its MLP runs in F and again in B
         assert r["mlp_calls_per_block_and_mb"] == 2.0, (rank, r)
+        tied = r["tied_zbv"]
+        assert tied["loss"] < ATOL and tied["norm"] < ATOL, (rank, tied)
+        assert tied["param"] < TP_PARAM_ATOL, (rank, tied)
 
 
 def _gpt2_stage_meshes() -> dict[str, Any]:
