@@ -13,12 +13,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from meshpipe.parallel.conv1d import is_conv1d
 from meshpipe.parallel.tp import resolve_plan
 
-__all__ = ["param_layout", "shared_within", "tied_mismatches"]
+__all__ = ["TiesKept", "param_layout", "shared_within", "tied_mismatches"]
 
 Layout = tuple[Any, ...]
 REPLICATED: Layout = ("replicated",)
@@ -110,3 +111,47 @@ def tied_mismatches(
             first = where[min(where)]
             out.append((first, [(s, path, _text(layout)) for s, path, layout in holders]))
     return out
+
+
+class TiesKept:
+    """One tensor stays one tensor through tp on this process.
+
+    ``parallelize_module`` replaces each sharded parameter with a DTensor of its own, module
+    by module: a weight that two modules share (a head tied to the embedding, on one stage,
+    or on two stages of one rank: a V schedule's first and last) became two parameters,
+    each with half the gradient, and no later sum joined them (gradients 6.8e-2 off at pp2
+    x tp2 zbv before 2026-12-03). After tp, :meth:`keep` points every module that held the
+    same tensor before at the first one's new parameter, which must be laid out alike."""
+
+    def __init__(self) -> None:
+        # id of a parameter before tp -> (that parameter, kept alive so ids stay unique;
+        # the parameter every holder uses after tp)
+        self._after: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+
+    @staticmethod
+    def before(module: nn.Module) -> dict[str, nn.Parameter]:
+        return dict(module.named_parameters(remove_duplicate=False))
+
+    def keep(self, module: nn.Module, before: Mapping[str, nn.Parameter]) -> None:
+        for name, old in before.items():
+            now = module.get_parameter(name)
+            seen = self._after.get(id(old))
+            if seen is None:
+                self._after[id(old)] = (old, now)
+                continue
+            first = seen[1]
+            if first is now:
+                continue
+            if _layout(first) != _layout(now):
+                raise ValueError(
+                    f"tp laid out {name!r} as {_layout(now)} and another holder of the same "
+                    f"tensor as {_layout(first)}; give every holder the same style"
+                )
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner)._parameters[leaf] = first
+
+
+def _layout(p: nn.Parameter) -> tuple[Any, ...]:
+    if isinstance(p, DTensor):
+        return ("dtensor", tuple(p.placements), tuple(p.shape))
+    return ("whole", tuple(p.shape))

@@ -24,7 +24,7 @@ from meshpipe.parallel import (
 from meshpipe.parallel.ep import EpStats, apply_ep, check_ep_plan
 from meshpipe.parallel.fsdp_plan import plan_fsdp
 from meshpipe.parallel.replicas import broadcast_replicas
-from meshpipe.parallel.tied_tp import shared_within, tied_mismatches
+from meshpipe.parallel.tied_tp import TiesKept, shared_within, tied_mismatches
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.schedule.ir import Action, Op, Schedule
@@ -98,6 +98,7 @@ class Spmd:
         # those parameters (one entry each): reduced over dp at the step's end (_check_shared)
         self._shared_names: dict[int, set[str]] = {}
         self._shared: dict[int, nn.Parameter] = {}
+        self._ties = TiesKept()
         self.topo = topo
         self.dp = dp if topo.dp_size > 1 else None  # dp= on size-1 axes is a no-op
         # FSDP2's unit: the 2-d (dp_replicate, dp) mesh for hsdp, every replica for fsdp (and
@@ -234,7 +235,12 @@ class Spmd:
         replica sync, to one local stage module."""
         topo = self.topo
         if self.tp_plan is not None and topo.tp_mesh is not None:
+            before = self._ties.before(module)
             apply_tp(module, topo.tp_mesh, self.tp_plan, self._tp_skip.get(stage, ()))
+            try:  # a tensor two holders share here stays one (parallel/tied_tp.py)
+                self._ties.keep(module, before)
+            except ValueError as e:
+                raise PipelineError(f"stage {stage}: {e}") from None
         if topo.dp_group is not None:
             broadcast_replicas(
                 module, topo.dp_group, stage, topo.device,
