@@ -192,15 +192,20 @@ def _greedy(
     return res
 
 
-def _sampled(
-    mesh: Any, num_stages: int, lanes: int | None, seed: int, **options: Any
-) -> list[list[int]]:
+def _sampling(mesh: Any, num_stages: int, **options: Any) -> meshpipe.Pipeline:
+    """Llama for the sampling cases; one Pipeline serves several calls (a seeded call's
+    tokens depend on nothing an earlier call left behind): each traced split costs ~5 s."""
     import split_models as sm
 
     torch.manual_seed(0)
-    pipe = meshpipe.Pipeline(
+    return meshpipe.Pipeline(
         sm.llama(4).eval(), mesh, "1f1b", 2, split_points=_points("llama", num_stages), **options
     )
+
+
+def _sampled(pipe: meshpipe.Pipeline, lanes: int | None, seed: int) -> list[list[int]]:
+    import split_models as sm
+
     ids, mask, _ = sm.tokens(batch=6, seq=5, seed=4)
     out = pipe.generate(
         ids, NEW, attention_mask=mask, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
@@ -209,7 +214,7 @@ def _sampled(
     return out.tolist()  # type: ignore[no-any-return]
 
 
-def _trace(mesh: Any) -> dict[str, Any]:
+def _trace(pipe: meshpipe.Pipeline) -> dict[str, Any]:
     """generate(trace=...): a Chrome trace of the decode actions, a row per process with its
     busy fraction (global rank 0 writes it)."""
     import json
@@ -218,8 +223,6 @@ def _trace(mesh: Any) -> dict[str, Any]:
 
     import split_models as sm
 
-    torch.manual_seed(0)
-    pipe = meshpipe.Pipeline(sm.llama(4).eval(), mesh, "1f1b", 2, split_points=_points("llama", 4))
     ids, mask, _ = sm.tokens(batch=4, seq=5, seed=4)
     path = os.path.join(tempfile.gettempdir(), f"meshpipe-decode-{os.environ['MASTER_PORT']}.json")
     pipe.generate(ids, 4, attention_mask=mask, trace=path)
@@ -297,10 +300,10 @@ def _worker() -> dict[str, Any]:
         "qwen2 pp2": _greedy("qwen2", pp2, 2, every_lane=False),
         "mistral pp4": _greedy("mistral", pp4, 4, every_lane=False),
         # per-head q/k norms replicated over tp (ReplicatedGradSum); a fused qkv
-        "qwen3 pp2 tp2": _greedy("qwen3", tp2, 2, tp_plan="auto"),
+        "qwen3 pp2 tp2": _greedy("qwen3", tp2, 2, every_lane=False, tp_plan="auto"),
         "phi3 pp2": _greedy("phi3", pp2, 2, every_lane=False),
         # a MoE, its experts split over tp (ExpertsTP: partial outputs summed)
-        "mixtral pp2 tp2": _greedy("mixtral", tp2, 2, tp_plan="auto"),
+        "mixtral pp2 tp2": _greedy("mixtral", tp2, 2, every_lane=False, tp_plan="auto"),
         # a quarter of each head rotated
         "stablelm pp2": _greedy("stablelm", pp2, 2, every_lane=False),
         "qwen2 windows pp2": _greedy("qwen2 windows", pp2, 2, every_lane=False),
@@ -312,15 +315,16 @@ def _worker() -> dict[str, Any]:
         "granite pp2": _greedy("granite", pp2, 2, every_lane=False),
         "gpt_oss pp2": _greedy("gpt_oss", pp2, 2, every_lane=False),
     }
+    on_pp2, on_pp4 = _sampling(pp2, 2), _sampling(pp4, 4)
     res["sampled"] = {
-        "pp2 lanes=1": _sampled(pp2, 2, 1, seed=7),
-        "pp2 lanes=3": _sampled(pp2, 2, 3, seed=7),
-        "pp4 lanes=4": _sampled(pp4, 4, None, seed=7),
-        "pp4 seed 8": _sampled(pp4, 4, None, seed=8),
-        "pp2 tp2": _sampled(tp2, 2, None, seed=7, tp_plan="auto"),
-        "stage meshes": _sampled(staged, 2, None, seed=7, tp_plan="auto"),
+        "pp2 lanes=1": _sampled(on_pp2, 1, seed=7),
+        "pp2 lanes=3": _sampled(on_pp2, 3, seed=7),
+        "pp4 lanes=4": _sampled(on_pp4, None, seed=7),
+        "pp4 seed 8": _sampled(on_pp4, None, seed=8),
+        "pp2 tp2": _sampled(_sampling(tp2, 2, tp_plan="auto"), None, seed=7),
+        "stage meshes": _sampled(_sampling(staged, 2, tp_plan="auto"), None, seed=7),
     }
-    res["trace"] = _trace(pp4)
+    res["trace"] = _trace(on_pp4)
     res["train"] = _train_after_generate(pp4)
     res["errors"] = _errors(pp4)
     return res
