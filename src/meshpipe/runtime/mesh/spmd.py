@@ -101,6 +101,7 @@ class Spmd:
         self._ties = TiesKept()
         self.topo = topo
         self.dp = dp if topo.dp_size > 1 else None  # dp= on size-1 axes is a no-op
+        self._dp_mode = dp
         # FSDP2's unit: the 2-d (dp_replicate, dp) mesh for hsdp, every replica for fsdp (and
         # for hsdp on a stage mesh without dp_replicate: replicated across none)
         hsdp = self.dp == "hsdp" and topo.hsdp_mesh is not None
@@ -163,16 +164,21 @@ class Spmd:
         wrong gradients (until 2026-12-03). So it stays out of them, whole on every replica,
         and is summed over dp once at the step's end. FSDP2's mixed precision cannot cast
         what it does not hold: refused on every rank alike."""
-        if self.dp not in ("ddp", *SHARDED):
+        # stage meshes: the mode as given, the same on every process (self.dp is per mesh)
+        mode = self._dp_mode if self.topo.layout.stage_meshes else self.dp
+        if mode not in ("ddp", *SHARDED):
             return
-        me = self.topo.pp_rank
+        me = self.topo.pp_rank if self.dp is not None else -1  # -1: nothing to keep out
+        # stage meshes sum a tied weight's copies whole across meshes (split/tied.py): under
+        # FSDP2 a copy alone on its rank stays whole too (refused mid-step before 2026-12-03)
+        whole = self.topo.layout.stage_meshes and mode in SHARDED
         shared: list[str] = []
         for where in find_tied(all_stages):
             by_rank: dict[int, list[int]] = {}
             for s in where:
                 by_rank.setdefault(placement[s], []).append(s)
             for rank, stages in by_rank.items():
-                if len(stages) < 2:
+                if len(stages) < 2 and not (whole and len(by_rank) > 1):
                     continue
                 shared.append(f"{[where[s] for s in stages]} on stages {stages} of pp rank {rank}")
                 if rank == me:
