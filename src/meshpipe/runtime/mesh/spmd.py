@@ -6,7 +6,7 @@ backward."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,16 @@ Hook = Callable[[], None]
 def _local_numel(p: torch.Tensor) -> int:
     """Elements of this process's shard of ``p`` (a DTensor) or of ``p``."""
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def _split_by(
+    params: Sequence[nn.Parameter], ids: Collection[int]
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the parameters whose id is not in ``ids``, those whose id is); once per step, so
+    without ids (the usual case) it only copies the list."""
+    if not ids:
+        return list(params), []
+    return [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
 
 
 def _ring(nbytes: int, n: int) -> int:
@@ -186,13 +196,14 @@ class Spmd:
                         self._shared_names.setdefault(s, set()).add(where[s])
         if shared and self.mp_policy is not None:
             raise PipelineError(
-                "mp_policy with parameters shared by two stages of one pp rank "
-                f"({'; '.join(shared)}): FSDP2 cannot hold them for both stages, and kept "
-                "whole they would not be cast; untie them, pick a schedule that puts those "
-                "stages on different ranks (1f1b, interleaved_1f1b), or drop mp_policy"
+                "mp_policy with tied parameters that FSDP2 must leave whole (shared by two "
+                "stages of one pp rank, or, on stage meshes, summed whole across meshes: "
+                f"{'; '.join(shared)}): kept whole they would not be cast; untie them, pick "
+                "a schedule that puts those stages on different ranks (1f1b, "
+                "interleaved_1f1b) on a uniform mesh, or drop mp_policy"
             )
         if shared:
-            log.info("parameters shared by stages of one rank, reduced over dp once: %s", shared)
+            log.info("tied parameters kept out of the stages' dp reductions: %s", shared)
 
     def _check_tied(self, all_stages: Sequence[nn.Module], placement: Sequence[int]) -> None:
         """Copies of a tied parameter laid out differently by the tp plan (a sharded head
@@ -306,17 +317,13 @@ class Spmd:
         self, params: Sequence[nn.Parameter]
     ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(the others, the expert parameters) of ``params``."""
-        ids = {id(p) for ps in self._experts.values() for p in ps}
-        return [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
+        return _split_by(params, {id(p) for ps in self._experts.values() for p in ps})
 
     def split_shared(
         self, params: Sequence[nn.Parameter]
     ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(the others, the parameters two local stages share, reduced at the step's end)."""
-        return (
-            [p for p in params if id(p) not in self._shared],
-            [p for p in params if id(p) in self._shared],
-        )
+        return _split_by(params, self._shared.keys())
 
     @property
     def expert_group(self) -> Any:
