@@ -4,25 +4,40 @@
     .venv/bin/python scripts/check_hf_models.py --schedule zbv         # 4 stages on 2 ranks
     .venv/bin/python scripts/check_hf_models.py --tp 2 --models qwen3,gemma3   # pp=2 x tp=2, "auto"
     .venv/bin/python scripts/check_hf_models.py --dp 2 --dp-mode fsdp --checkpointing
+    .venv/bin/python scripts/check_hf_models.py --dp-replicate 2 --dp 2 --dp-mode hsdp
+    .venv/bin/python scripts/check_hf_models.py --cp 2 --schedule zbv   # no padding then
+    .venv/bin/python scripts/check_hf_models.py --dp 2 --ep 2 --dp-mode fsdp   # MoE models
+    .venv/bin/python scripts/check_hf_models.py --stage-meshes '[{"dp": 2}, {"tp": 2}]'
+    .venv/bin/python scripts/check_hf_models.py --pp 4 --schedule zbv  # 8 stages, 8 layers
+    .venv/bin/python scripts/check_hf_models.py --accumulate --adamw --rows 10
 
 Each model is built from a small config with random weights (no download), split by name
-at its decoder layers, and trained for two SGD steps on left-padded rows with
-``meshpipe.token_cross_entropy`` (``shift=True`` for causal models); a deep copy runs the
-same steps in one process. Printed per model: |loss gap| and the worst gradient gap over
-both steps and all ranks (DTensor gradients compared whole), on zero-bubble schedules how
-many W actions set weight gradients and how many I actions did (none when the split
-works; ``meshpipe.testing.weight_work``), or the error raised (with --tp, models that
-declare no tp plan are skipped). Exit status 1 if any gap exceeds
-1e-5 or any model failed. The suite checks a few of these
-(tests/test_real_models.py); this runs the wider set by hand (minutes).
+at its decoder layers (4, or one per stage where there are more stages), and trained for
+two steps on left-padded rows with ``meshpipe.token_cross_entropy`` (``shift=True`` for
+causal models; with cp, no padding and the target shifted over the whole sequence); a
+deep copy runs the same steps in one process. ``--accumulate``: each step is two halves of
+the batch, the first under ``no_sync()``, both with ``grad_scale=0.5``; ``--adamw``: AdamW
+(eps 1e-2, so a near-zero gradient's float noise is not blown up) after
+``clip_grad_norm_(0.5)`` instead of plain SGD, the norm and the updated parameters compared
+too. Printed per model: |loss gap| (and the norm's relative gap) and the worst gradient
+(and parameter) gap over both steps and all processes (DTensors compared whole), on
+zero-bubble schedules how many W actions set weight gradients and how many I actions did
+(none when the split works; ``meshpipe.testing.weight_work``), or the error raised.
+Models refused for a combination meshpipe does not build for them (no tp or ep plan
+declared, attention masks cp cannot take) are skipped. Exit status 1 if any gap exceeds
+1e-5 or any model failed. The suite checks a few of these (tests/test_real_models.py);
+this runs the wider set by hand (minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
+import math
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -119,64 +134,161 @@ def _grad_gap(pipe: meshpipe.Pipeline, ref: torch.nn.Module) -> float:
     return worst
 
 
-def check(
-    name: str, schedule: str, tp: int, replicas: int = 1, **options: Any
-) -> list[tuple[float, float]]:
-    """Two SGD steps of ``name`` through a Pipeline (``options``: more Pipeline arguments)
-    against one process: per step, |loss gap| and the worst gradient gap. With ``replicas``
-    > 1 (a dp axis) each replica passes its share of the rows."""
+@dataclass(frozen=True)
+class Scenario:
+    """The layout and the training loop a sweep runs (the command line's options)."""
+
+    schedule: str = "1f1b"
+    pp: int = 2
+    tp: int = 1
+    dp: int = 1
+    dp_replicate: int = 1
+    cp: int = 1
+    ep: int = 1
+    stage_meshes: tuple[dict[str, int], ...] = ()
+    accumulate: bool = False  # each step: two no_sync halves (grad_scale 0.5) + a synced one
+    adamw: bool = False  # AdamW with clip_grad_norm_(0.5) instead of plain SGD
+    rows: int = 8
+    options: dict[str, Any] = field(default_factory=dict)  # more Pipeline arguments
+
+    @property
+    def world(self) -> int:
+        if self.stage_meshes:
+            return sum(math.prod(shape.values()) for shape in self.stage_meshes)
+        return self.pp * self.tp * self.dp * self.dp_replicate * self.cp
+
+    @property
+    def tp_plan(self) -> bool:
+        return self.tp > 1 or any(shape.get("tp", 1) > 1 for shape in self.stage_meshes)
+
+
+def _model(name: str, num_layers: int) -> tuple[torch.nn.Module, str, bool]:
+    """(model with random weights, its decoder layers' path, causal?)"""
     import transformers
 
     cfg_name, model_name, layers, overrides = MODELS[name]
-    cfg = getattr(transformers, cfg_name)(**{**SMALL, **overrides})
+    kwargs = {**SMALL, **overrides}
+    for key in ("num_hidden_layers", "n_layer"):
+        if key in kwargs:
+            kwargs[key] = num_layers
+    cfg = getattr(transformers, cfg_name)(**kwargs)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(cfg).train()
+    return model, layers, "Masked" not in model_name
+
+
+def _replica_rows(sc: Scenario, mesh: Any, rows: int) -> slice:
+    """This process's rows: its replica's share (stage meshes: every process the whole batch)."""
+    if sc.stage_meshes or sc.dp * sc.dp_replicate == 1:
+        return slice(None)
+    index = mesh.get_local_rank("dp_replicate") * sc.dp + mesh.get_local_rank("dp")
+    part = torch.tensor_split(torch.arange(rows), sc.dp * sc.dp_replicate)[index]
+    return slice(int(part[0]), int(part[-1]) + 1)
+
+
+def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
+    """Two training steps of ``name`` through a Pipeline against one process: per step,
+    |loss gap| and the worst gradient gap (with AdamW also the clipped norm's gap, and the
+    parameters' after the update)."""
+    num_stages = meshpipe.get_schedule(sc.schedule, sc.pp, 4).num_stages
+    num_layers = max(4, num_stages)
+    model, layers, causal = _model(name, num_layers)
     ref = copy.deepcopy(model)
-    mesh = meshpipe.init_mesh(pp=2, dp=replicas, tp=tp)
-    num_stages = meshpipe.get_schedule(schedule, 2, 4).num_stages
-    points = [f"{layers}.{k * 4 // num_stages}" for k in range(1, num_stages)]
+    if sc.stage_meshes:
+        mesh: Any = meshpipe.init_stage_meshes(list(sc.stage_meshes))
+    else:
+        mesh = meshpipe.init_mesh(
+            pp=sc.pp, dp_replicate=sc.dp_replicate, dp=sc.dp, cp=sc.cp, tp=sc.tp, ep=sc.ep
+        )
+    points = [f"{layers}.{k * num_layers // num_stages}" for k in range(1, num_stages)]
     torch.manual_seed(1)
-    ids = torch.randint(1, 64, (8, 12))  # (batch, seq)
+    ids = torch.randint(1, 64, (sc.rows, 12))  # (batch, seq)
     mask = torch.ones_like(ids)
-    for row in range(8):
-        mask[row, : row % 4] = 0  # left padding: 0 - 3 tokens, unevenly per microbatch
+    if sc.cp == 1:
+        for row in range(sc.rows):
+            mask[row, : row % 4] = 0  # left padding: 0 - 3 tokens, unevenly per microbatch
     target = ids.masked_fill(mask == 0, -100)
-    loss_fn = meshpipe.token_cross_entropy(shift="Masked" not in model_name)
+    shift = causal
+    if sc.cp > 1 and causal:  # cp cuts the sequence: shift over the whole sequence first
+        target = torch.cat([target[:, 1:], torch.full_like(target[:, :1], -100)], dim=1)
+        shift = False
+    loss_fn = meshpipe.token_cross_entropy(shift=shift)
+    extra: dict[str, Any] = {"ep_plan": "auto"} if sc.ep > 1 else {}
     pipe = meshpipe.Pipeline(
-        model, mesh, schedule, 4, loss_fn=loss_fn, split_points=points,
-        tp_plan="auto" if tp > 1 else None, timeout=120, **options,
+        model, mesh, sc.schedule, 4, loss_fn=loss_fn, split_points=points,
+        tp_plan="auto" if sc.tp_plan else None, timeout=120, **extra, **sc.options,
     )  # fmt: skip
-    rows = slice(None)
-    if replicas > 1:  # this replica's share of the rows
-        share = ids.shape[0] // replicas
-        start = mesh.get_local_rank("dp") * share
-        rows = slice(start, start + share)
-    gaps = []
-    opts: list[torch.optim.Optimizer] = [torch.optim.SGD(ref.parameters(), lr=0.1)]
+    kw: dict[str, Any] = {} if sc.cp > 1 else {"attention_mask": mask}
+
+    def ref_loss(part: slice) -> torch.Tensor:
+        extra_kw = {} if sc.cp > 1 else {"attention_mask": mask[part]}
+        total, count = loss_fn(ref(input_ids=ids[part], **extra_kw), target[part])
+        return total / count
+
+    def run_pipe(part: slice, scale: float | None) -> float:
+        """One pipeline step on global rows ``part`` (this replica's share of them)."""
+        local = _replica_rows(sc, mesh, part.stop - part.start)
+        sub = slice(part.start + (local.start or 0), part.start + (local.stop or part.stop))
+        args = {k: v[sub] for k, v in kw.items()}
+        return float(pipe.step(ids[sub], target=target[sub], grad_scale=scale, **args))
+
+    gaps: list[tuple[float, float]] = []
+    opt_cls = torch.optim.AdamW if sc.adamw else torch.optim.SGD
+    # AdamW's eps well above the float noise of a near-zero gradient: its update g/(|g|+eps)
+    # would otherwise turn a 1e-9 gradient difference into one of the learning rate's order
+    LR: dict[str, float] = {"lr": 0.01, "eps": 1e-2} if sc.adamw else {"lr": 0.1}
+    ref_opt = opt_cls(ref.parameters(), **LR)
+    pipe_opt: torch.optim.Optimizer | None = None
+    whole = slice(0, sc.rows)
+    halves = [slice(0, sc.rows // 2), slice(sc.rows // 2, sc.rows)]
     for _ in range(2):
-        loss = float(pipe.step(ids[rows], target=target[rows], attention_mask=mask[rows]))
-        if len(opts) == 1:  # the pipeline's parameters exist once it is split
-            opts.append(torch.optim.SGD(pipe.parameters(), lr=0.1))
-        total, count = loss_fn(ref(input_ids=ids, attention_mask=mask), target)
-        expected = total / count
-        expected.backward()
-        gaps.append((abs(loss - expected.item()), _grad_gap(pipe, ref)))
-        for opt in opts:
+        if sc.accumulate:
+            with pipe.no_sync():
+                loss = 0.5 * run_pipe(halves[0], 0.5)
+            loss += 0.5 * run_pipe(halves[1], 0.5)
+            expected = sum(0.5 * ref_loss(h).detach() for h in halves)
+            for h in halves:
+                (0.5 * ref_loss(h)).backward()
+        else:
+            loss = run_pipe(whole, None)
+            expected_t = ref_loss(whole)
+            expected_t.backward()
+            expected = expected_t.detach()
+        if pipe_opt is None:  # the pipeline's parameters exist once it is split
+            pipe_opt = opt_cls(pipe.parameters(), **LR)
+        gap = _grad_gap(pipe, ref)
+        loss_gap = abs(loss - float(expected))
+        if sc.adamw:
+            norm = float(pipe.clip_grad_norm_(0.5))
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+            loss_gap = max(loss_gap, abs(norm - ref_norm) / max(ref_norm, 1.0))
+            gap = max(gap, _grad_gap(pipe, ref))
+        for opt in (ref_opt, pipe_opt):
             opt.step()
             opt.zero_grad()
+        if sc.adamw:
+            gap = max(gap, _param_gap(pipe, ref))
+        gaps.append((loss_gap, gap))
     return gaps
 
 
-def _worker(
-    names: list[str], schedule: str, tp: int, dp: int, options: dict[str, Any]
-) -> dict[str, Any]:
+def _param_gap(pipe: meshpipe.Pipeline, ref: torch.nn.Module) -> float:
+    refs = dict(ref.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for name, p in pipe.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        worst = max(worst, (value.detach() - refs[name].detach()).abs().max().item())
+    return worst
+
+
+def _worker(names: list[str], sc: Scenario) -> dict[str, Any]:
     torch.set_num_threads(1)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     for name in names:
         with weight_work() as where:
             try:
-                out[name] = check(name, schedule, tp, dp, **options)
+                out[name] = check(name, sc)
             except Exception as e:  # reported per model, the others still run
                 out[name] = f"{type(e).__name__}: {str(e)[:300]}"
         out[f"{name} where"] = dict(where)
@@ -195,9 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
     ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--tp", type=int, default=1, help="2: pp=2 x tp=2, tp_plan='auto'")
-    ap.add_argument("--dp", type=int, default=1, help="2: pp=2 x dp=2, half the rows each")
-    ap.add_argument("--dp-mode", choices=("ddp", "fsdp"), help="with --dp: dp= of Pipeline")
+    ap.add_argument("--pp", type=int, default=2, help="pp ranks (layers: 4, or one per stage)")
+    ap.add_argument("--tp", type=int, default=1, help="2: pp x tp=2, tp_plan='auto'")
+    ap.add_argument("--dp", type=int, default=1, help="2: pp x dp=2, half the rows each")
+    ap.add_argument("--dp-replicate", type=int, default=1, help="with --dp-mode hsdp")
+    ap.add_argument("--dp-mode", choices=("ddp", "fsdp", "hsdp"), help="dp= of Pipeline")
+    ap.add_argument("--cp", type=int, default=1, help="context parallel (no padding then)")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel, ep_plan='auto'")
+    ap.add_argument("--stage-meshes", help='JSON, e.g. \'[{"dp": 2}, {"tp": 2}]\'')
+    ap.add_argument("--accumulate", action="store_true", help="no_sync halves, grad_scale 0.5")
+    ap.add_argument("--adamw", action="store_true", help="AdamW + clip_grad_norm_(0.5)")
+    ap.add_argument("--rows", type=int, default=8, help="batch rows (uneven microbatches: 7)")
     ap.add_argument("--checkpointing", action="store_true", help='activation_checkpointing="full"')
     ap.add_argument("--compile", action="store_true", help="compile=True (minutes per model)")
     args = ap.parse_args(argv)
@@ -208,26 +328,28 @@ def main(argv: list[str] | None = None) -> int:
         options["activation_checkpointing"] = "full"
     if args.compile:
         options["compile"] = True
+    meshes = tuple(json.loads(args.stage_meshes)) if args.stage_meshes else ()
+    sc = Scenario(
+        schedule=args.schedule, pp=len(meshes) or args.pp, tp=args.tp, dp=args.dp,
+        dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep, stage_meshes=meshes,
+        accumulate=args.accumulate, adamw=args.adamw, rows=args.rows, options=options,
+    )  # fmt: skip
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
-    world = 2 * args.tp * args.dp
-    results = run_on_ranks(
-        _worker, world, names, args.schedule, args.tp, args.dp, options, timeout=1800
-    )
+    results = run_on_ranks(_worker, sc.world, names, sc, timeout=3600)
     bad = skipped = 0
     for name in names:
         per_rank = [r[name] for r in results]
-        if any(isinstance(r, str) and "declares no tensor-parallel plan" in r for r in per_rank):
-            skipped += 1
-            print(f"skip {name:10s} declares no tp plan", flush=True)
-            continue
-        ok = all(
-            not isinstance(r, str) and all(a < ATOL and b < ATOL for a, b in r) for r in per_rank
-        )
-        bad += not ok
         errors = [r for r in per_rank if isinstance(r, str)]
+        refused = [e for e in errors if any(why in e for why in NOT_BUILT)]
+        if refused:
+            skipped += 1
+            print(f"skip {name:10s} {refused[0][:160]}", flush=True)
+            continue
+        ok = not errors and all(a < ATOL and b < ATOL for r in per_rank for a, b in r)
+        bad += not ok
         if errors:
             shown = errors[0]
         else:
@@ -237,9 +359,18 @@ def main(argv: list[str] | None = None) -> int:
             shown += _where([r[f"{name} where"] for r in results])
         print(f"{'ok  ' if ok else 'FAIL'} {name:10s} {shown}", flush=True)
     checked = len(names) - skipped
-    how = f"{args.schedule}, tp={args.tp}, dp={args.dp} {options or ''}".rstrip()
-    print(f"{checked - bad} of {checked} match one process ({how})")
+    print(f"{checked - bad} of {checked} match one process ({sc})")
     return 1 if bad else 0
+
+
+# refusals that name a combination meshpipe does not build for that model (skipped, not
+# failed): no tp plan declared, no ep plan, cp masks
+NOT_BUILT = (
+    "declares no tensor-parallel plan",
+    "declares no expert",
+    "not built for cp",
+    "ep_plan='auto'",
+)
 
 
 if __name__ == "__main__":
