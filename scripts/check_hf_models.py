@@ -364,11 +364,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # refusals that name a combination meshpipe does not build for that model (skipped, not
-# failed): no tp plan declared, no ep plan, cp masks
+# failed): no tp plan declared, no ep plan; cp: masks, attention outside sdpa
 NOT_BUILT = (
     "declares no tensor-parallel plan",
     "declares no expert",
     "not built for cp",
+    "attn_implementation=",
+    "no stage ran torch.nn.functional.scaled_dot_product_attention",
     "ep_plan='auto'",
 )
 

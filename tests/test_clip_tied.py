@@ -64,11 +64,18 @@ def _case(
     given: str = "points",
     schedule: str = "1f1b",
     tp_plan: dict[str, Any] | None = None,
+    mp: bool = False,
+    accumulate: bool = False,
 ) -> dict[str, Any]:
     """``given``: how the model reaches the Pipeline: with split points ("points"), as a
     Sequential it splits evenly ("sequential"), or as a list of stage modules ("stages");
     in all three the tie crosses the two ranks on 1f1b. On zbv (4 stages, split points) the
-    embedding (stage 0) and the head (stage 3) are both on pp rank 0."""
+    embedding (stage 0) and the head (stage 3) are both on pp rank 0. ``mp``: FSDP2 with
+    bf16 parameters (gradients compared loosely); ``accumulate``: two half batches, the
+    first under no_sync(), each with grad_scale 0.5. After the step, eval_step's loss (the
+    parameters at rest, sharded) against one process's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     model = tied_lm()
     ref = copy.deepcopy(model)  # keeps the tie: one parameter, used twice
     torch.manual_seed(1)
@@ -80,17 +87,36 @@ def _case(
     pipe = meshpipe.Pipeline(
         stages, mesh, schedule, num_microbatches=2, loss_fn=lm_loss, dp=dp,
         split_points=points, tp_plan=tp_plan, timeout=60,
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp else None,
     )  # fmt: skip
-    if stage_meshes:  # every process passes the whole batch
-        loss = pipe.step(ids, target=target)
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # stage meshes: every process the whole batch
+        return x if stage_meshes else dp_batch(x, mesh)
+
+    if accumulate:
+        with pipe.no_sync():
+            first = pipe.step(rows(ids[:4]), target=rows(target[:4]), grad_scale=0.5)
+        loss = (first + pipe.step(rows(ids[4:]), target=rows(target[4:]), grad_scale=0.5)) / 2
+        expected = sum(lm_loss(ref(ids[h]), target[h]) / 2 for h in (slice(0, 4), slice(4, 8)))
     else:
-        loss = pipe.step(dp_batch(ids, mesh), target=dp_batch(target, mesh))
-    norm = pipe.clip_grad_norm_(MAX_NORM)
-    expected = lm_loss(ref(ids), target)
+        loss = pipe.step(rows(ids), target=rows(target))
+        expected = lm_loss(ref(ids), target)
     expected.backward()
+    norm = pipe.clip_grad_norm_(MAX_NORM)
+    with torch.no_grad():
+        eval_gap = abs(
+            pipe.eval_step(rows(ids), target=rows(target)).item() - lm_loss(ref(ids), target).item()
+        )
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-    names = [n for n, _ in pipe.named_parameters()]
+    params = dict(pipe.named_parameters())
+    names = list(params)
+    tied = params.get("0.weight", params.get("4.weight"))
+    local = tied.to_local() if hasattr(tied, "to_local") else tied
     return {
+        "eval": eval_gap,
+        # rows of the tied weight this process stores, and whether both names are one tensor
+        "tied_rows": None if tied is None else local.shape[0],
+        "one_tensor": _one_tensor(pipe),
         "loss": abs(loss.item() - expected.item()),
         "norm": abs(norm.item() - ref_norm.item()),
         "ref_norm": ref_norm.item(),
@@ -99,14 +125,59 @@ def _case(
     }
 
 
-def _refused(mesh: Any) -> dict[str, Any]:
-    """FSDP2's mixed precision with the tie on one rank: refused on every rank alike."""
+def _eval_between(mesh: Any, schedule: str) -> dict[str, float]:
+    """FSDP2 stages, a step, then eval_step and forward() before the optimizer's update, then
+    a second step. Those calls gathered the stages' parameters and left them so: the modules
+    kept the gathered tensors, so the gradients vanished from named_parameters() and the
+    second step computed with the values from before the update (its loss 1.2e-1 off on a
+    toy MLP; until 2026-12-04)."""
+    model = tied_lm()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(2)
+    ids, target = torch.randint(0, VOCAB, (8, 6)), torch.randint(0, VOCAB, (8, 6))
+    points = ["2"] if schedule == "1f1b" else ["1", "2", "4"]
+    pipe = meshpipe.Pipeline(
+        model, mesh, schedule, 2, lm_loss, dp="fsdp", split_points=points, timeout=60
+    )
+    mine, mine_t = dp_batch(ids, mesh), dp_batch(target, mesh)
+    pipe.step(mine, target=mine_t)
+    pipe.eval_step(mine, target=mine_t)
+    pipe.forward(mine)
+    grads_kept = all(p.grad is not None for p in pipe.parameters())
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    lm_loss(ref(ids), target).backward()
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+    loss = pipe.step(mine, target=mine_t)
+    expected = lm_loss(ref(ids), target)
+    expected.backward()
+    return {
+        "grads_kept": float(grads_kept),
+        "loss": abs(loss.item() - expected.item()),
+        "grad": _grad_diff(pipe, ref),
+    }
+
+
+def _one_tensor(pipe: meshpipe.Pipeline) -> bool:
+    """Whether this process's stages hold the embedding's and the head's weight as one
+    tensor (pipe.named_parameters() names it once)."""
+    held = [
+        p for m in pipe.stages for n, p in m.named_parameters() if n in ("0.weight", "4.weight")
+    ]
+    return len(held) == 2 and held[0] is held[1]
+
+
+def _refused(meshes: Any) -> dict[str, Any]:
+    """FSDP2's mixed precision with a tie summed whole across stage meshes: refused on every
+    rank alike."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     try:
         meshpipe.Pipeline(
-            tied_lm(), mesh, "zbv", 2, lm_loss, dp="fsdp", split_points=["1", "2", "4"],
+            tied_lm(), meshes, "zbv", 2, lm_loss, dp="fsdp", split_points=["1", "2", "4"],
             mp_policy=policy, timeout=60,
         )  # fmt: skip
     except meshpipe.PipelineError as e:
@@ -124,10 +195,13 @@ def _all_cases() -> dict[str, dict[str, Any]]:
     out["stages"] = _case(mesh, "ddp", stage_meshes=False, given="stages")
     # both uses on one rank: each stage's own dp reduction reduced the one tensor twice
     # (DDP-style), or FSDP2 sharded each stage's copy apart (before 2026-12-03: gradients
-    # off by 1e-1 on Gemma 2, OPT, BLOOM, Falcon, SmolLM3 at zbv x dp2; BERT stopped)
+    # off by 1e-1 on Gemma 2, OPT, BLOOM, Falcon, SmolLM3 at zbv x dp2; BERT stopped).
+    # FSDP2 shards it once, in stage 0's unit, and lends it to stage 3 (kept whole on
+    # every replica, and mp_policy refused, before 2026-12-04)
     for dp in ("ddp", "fsdp"):
         out[f"zbv_{dp}"] = _case(mesh, dp, stage_meshes=False, schedule="zbv")
-    out["zbv_fsdp_mp"] = _refused(mesh)
+    out["zbv_fsdp_accumulate"] = _case(mesh, "fsdp", False, schedule="zbv", accumulate=True)
+    out["zbv_fsdp_mp"] = _case(mesh, "fsdp", False, schedule="zbv", mp=True)
     # tp shards the embedding and the head alike (dim 0, the vocabulary): each module's
     # parallelize_module made its own DTensor, two parameters where the model has one, on
     # one rank (zbv) or one stage (pp=1), never summed (6.8e-2 off before 2026-12-03)
@@ -147,6 +221,9 @@ def _all_cases() -> dict[str, dict[str, Any]]:
         out[f"stage_meshes_fsdp_{schedule}"] = _case(
             meshes, "fsdp", stage_meshes=True, schedule=schedule
         )
+    out["stage_meshes_fsdp_mp"] = _refused(meshes)
+    for schedule in ("1f1b", "zbv"):  # zbv: the lent weight too
+        out[f"eval_between_{schedule}"] = _eval_between(mesh, schedule)
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 3}])
     out["stage_meshes_1_dp3"] = _case(meshes, None, stage_meshes=True)
     return out
@@ -161,22 +238,54 @@ def test_clip_grad_norm_counts_a_tied_weight_once(results: list[dict[str, Any]])
     cases = ("pp2_dp2_ddp", "pp2_dp2_fsdp", "sequential", "stages", "zbv_ddp", "zbv_fsdp")
     tp = ("tp_1f1b", "tp_zbv", "tp_one_stage")
     meshes = ("stage_meshes_dp3_1", "stage_meshes_1_dp3", "stage_meshes_fsdp_1f1b")
-    for case in (*cases, *meshes, "stage_meshes_fsdp_zbv", *tp):
+    for case in (*cases, *meshes, "stage_meshes_fsdp_zbv", *tp, "zbv_fsdp_accumulate"):
         per_rank = [r[case] for r in results]
         held = [r["holds_tied"] for r in per_rank]  # zbv: on pp rank 0's processes only
         on_0 = {"zbv_ddp": [True, True, False, False], "zbv_fsdp": [True, True, False, False],
+                "zbv_fsdp_accumulate": [True, True, False, False],
                 "tp_zbv": [True, True, False, False],
                 "stage_meshes_fsdp_zbv": [True, True, True, False]}  # fmt: skip
         assert held == on_0.get(case, [True] * 4), (case, held)
         assert per_rank[0]["ref_norm"] > 2 * MAX_NORM, (case, per_rank)  # clipping is active
         for rank, r in enumerate(per_rank):
             assert r["loss"] < ATOL, (case, rank, r)
+            assert r["eval"] < ATOL, (case, rank, r)
             assert r["norm"] < ATOL, f"{case} rank {rank}: norm off by {r['norm']} ({r})"
             assert r["grad"] < ATOL, f"{case} rank {rank}: clipped grads off by {r['grad']}"
 
 
-def test_mixed_precision_with_a_tie_on_one_rank_is_refused_everywhere(
+def test_fsdp_shards_a_weight_tied_on_one_rank_once(results: list[dict[str, Any]]) -> None:
+    """zbv x FSDP2: pp rank 0's two stages hold the embedding and the head; the one tensor is
+    sharded over the 2 replicas (16 of its 32 rows on each), under both names."""
+    for case in ("zbv_fsdp", "zbv_fsdp_accumulate", "zbv_fsdp_mp"):
+        for rank in (0, 1):
+            r = results[rank][case]
+            assert r["tied_rows"] == VOCAB // 2 and r["one_tensor"], (case, rank, r)
+    for rank in (0, 1):  # DDP-style replicas hold it whole
+        assert results[rank]["zbv_ddp"]["tied_rows"] == VOCAB, results[rank]["zbv_ddp"]
+
+
+def test_mixed_precision_with_a_tie_on_one_rank(results: list[dict[str, Any]]) -> None:
+    """bf16 parameters: both uses' gradients reach the one shard (the head's alone would be
+    far off; bf16 rounding is about 1e-2 relative)."""
+    for rank, r in enumerate(results):
+        mp = r["zbv_fsdp_mp"]
+        assert mp["loss"] < 2e-2 and mp["eval"] < 2e-2, (rank, mp)
+        assert mp["grad"] < 2e-2 * mp["ref_norm"] + 1e-3, (rank, mp)
+
+
+def test_mixed_precision_with_a_tie_across_stage_meshes_is_refused_everywhere(
     results: list[dict[str, Any]],
 ) -> None:
-    errors = [r["zbv_fsdp_mp"]["error"] for r in results]
-    assert all("mp_policy" in e and "0.weight" in e and "pp rank 0" in e for e in errors), errors
+    errors = [r["stage_meshes_fsdp_mp"]["error"] for r in results]
+    assert all("mp_policy" in e and "0.weight" in e and "stage meshes" in e for e in errors), errors
+
+
+def test_evaluating_between_step_and_update_leaves_fsdp_stages_sharded(
+    results: list[dict[str, Any]],
+) -> None:
+    for case in ("eval_between_1f1b", "eval_between_zbv"):
+        for rank, r in enumerate(results):
+            c = r[case]
+            assert c["grads_kept"] == 1.0, (case, rank, c)
+            assert c["loss"] < ATOL and c["grad"] < ATOL, (case, rank, c)

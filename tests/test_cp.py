@@ -517,3 +517,27 @@ def test_simulator_counts_cp_processes_of_stage_meshes() -> None:
     sched = meshpipe.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
     cost = stage_mesh_cost(meshpipe.Cost(f=1.0, b=2.0), sched, [{"cp": 2}, {"dp": 2, "cp": 2}])
     assert cost.f == (0.5, 0.25) and cost.b == (1.0, 0.5)
+
+
+def test_a_window_of_zero_is_no_window() -> None:
+    """Qwen2-MoE's config says sliding_window=0 when use_sliding_window is off: full causal
+    attention, built for cp (it was refused as a window); a window that is on is refused."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from meshpipe.parallel.cp import _check_hf
+
+    small = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, shared_expert_intermediate_size=32,
+    )  # fmt: skip
+    full = Qwen2MoeForCausalLM(Qwen2MoeConfig(**small))
+    assert full.config.sliding_window == 0
+    for layer in full.model.layers:
+        _check_hf(layer.self_attn, 2)  # no error
+    windowed = Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(**small, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    )
+    with pytest.raises(meshpipe.PipelineError, match="sliding_window=4"):
+        for layer in windowed.model.layers:
+            _check_hf(layer.self_attn, 2)

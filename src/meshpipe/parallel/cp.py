@@ -107,7 +107,8 @@ def _check_hf(module: nn.Module, size: int) -> None:
             f"{type(module).__name__} uses attn_implementation={impl!r}; load the model with "
             "attn_implementation='sdpa'"
         )
-    window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
+    # 0 or None: no window (Qwen2-MoE's config says 0 when use_sliding_window is off)
+    window = getattr(module, "sliding_window", getattr(config, "sliding_window", None)) or None
     chunk = getattr(config, "attention_chunk_size", None)
     if window is not None or chunk is not None or getattr(config, "alibi", False):
         what = (

@@ -9,13 +9,14 @@ that reaches into its state (the same calls torch.distributed.pipelining makes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["apply_fsdp", "fsdp_begin_step", "fsdp_reduce"]
+__all__ = ["apply_fsdp", "fsdp_begin_step", "fsdp_reduce", "fsdp_rest", "gather_before", "lend_param"]
 
 
 def apply_fsdp(
@@ -66,6 +67,18 @@ def fsdp_reduce(module: FSDPModule, sync: bool = True) -> None:
     state._root_post_backward_final_callback()
 
 
+def fsdp_rest(module: nn.Module) -> None:
+    """Every FSDP2 unit of a stage back to its shards, after a call without a backward
+    (evaluation, forward, generation). Such a forward leaves them gathered (no reshard after
+    forward, for the step's sake), and then the modules hold the gathered tensors instead of
+    the sharded parameters: ``named_parameters()`` showed tensors without the step's
+    gradients, and the next step computed with the values gathered before the optimizer's
+    update (until 2026-12-04)."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def _param_groups(st: Any) -> list[Any]:
     """An FSDP state's parameter groups: a list in newer torch (``_fsdp_param_groups``, 2.13),
     one group or None in older (``_fsdp_param_group``, 2.11)."""
@@ -74,3 +87,42 @@ def _param_groups(st: Any) -> list[Any]:
         return list(groups)
     group = st._fsdp_param_group
     return [] if group is None else [group]
+
+
+def lend_param(
+    owner: nn.Module, holder: tuple[nn.Module, str], borrowers: Sequence[tuple[nn.Module, str]]
+) -> FSDPModule:
+    """Let modules outside ``owner``'s FSDP2 units use a parameter one of them shards (a
+    weight tied across two stages of one process): ``holder`` (module, name) held it when
+    ``owner`` was sharded; each borrower (module, name) gets the same parameter, and FSDP2
+    swaps it there too whenever it gathers or reshards (as it does for a parameter two
+    modules of one unit share), so both uses accumulate into one unsharded gradient and one
+    reduce-scatter shards it. Returns the FSDP2 module whose unit holds it: gather it
+    (``unshard()``) before a borrower runs. FSDP2 offers no public call for this."""
+    for unit in owner.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        state: Any = fully_shard.state(unit)  # type: ignore[attr-defined]
+        for group in _param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                if info.module is not holder[0] or info.param_name != holder[1]:
+                    continue
+                current = getattr(holder[0], holder[1])
+                for module, name in borrowers:
+                    info.shared_modules.append(module)
+                    info.shared_param_names.append(name)
+                    module._parameters[name] = current
+                return unit
+    raise ValueError(f"no FSDP2 unit of the stage holds {type(holder[0]).__name__}.{holder[1]}")
+
+
+def gather_before(module: nn.Module, unit: FSDPModule) -> Any:
+    """A forward pre-hook on ``module`` that gathers ``unit``'s parameters (a lent one:
+    :func:`lend_param`) before it runs, in every call (steps, evaluation, generation); a
+    no-op where they are gathered already."""
+
+    def gather(_module: nn.Module, _args: Any) -> None:
+        unit.unshard()
+
+    return module.register_forward_pre_hook(gather)

@@ -8,7 +8,7 @@ step's one reduce-scatter (which reshards too). Gradients keep accumulating unsh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,17 +58,27 @@ class _Stage:
 
 
 def plan_fsdp(
-    actions: tuple[Action, ...], modules: Mapping[int, Any], gap: int | None = 2, sync: bool = True
+    actions: tuple[Action, ...],
+    modules: Mapping[int, Any],
+    gap: int | None = 2,
+    sync: bool = True,
+    lent: Mapping[int, Sequence[int]] | None = None,
 ) -> FsdpPlan:
     """The hooks for one rank's ``actions``, over its FSDP2 stage ``modules``.
 
     ``gap=None`` keeps parameters gathered for the whole step (no reshards); ``sync=False``
-    ends the step without the reduce-scatter (gradients stay accumulated, unsharded)."""
+    ends the step without the reduce-scatter (gradients stay accumulated, unsharded).
+    ``lent``: borrower stage -> the stages whose units shard parameters it uses (a weight
+    tied across two stages of this rank, ``lend_param``): the owner counts the borrower's
+    actions as its own uses, so it stays gathered through them (autograd reads the gathered
+    tensor in the borrower's backward) and reduces after the later of the two's backward."""
     plan = FsdpPlan()
+    owners = lent or {}
     uses: dict[int, list[int]] = {}
     for i, a in enumerate(actions):
-        if a.stage in modules:
-            uses.setdefault(a.stage, []).append(i)
+        for stage in (a.stage, *owners.get(a.stage, ())):
+            if stage in modules:
+                uses.setdefault(stage, []).append(i)
     for stage, idxs in uses.items():
         st = _Stage(modules[stage], sync)
         last_bwd = max((i for i in idxs if actions[i].op is not Op.F), default=None)
@@ -78,7 +88,9 @@ def plan_fsdp(
                 continue
             plan.after.setdefault(actions[i], []).append(st.reshard)
             plan.before.setdefault(actions[j - 1], []).append(st.prefetch)
-            if actions[j].op is not Op.F:  # forward waits in FSDP2's own pre-forward hook
+            # a forward of the stage's own waits in FSDP2's pre-forward hook, a borrower's
+            # in gather_before's
+            if actions[j].op is not Op.F:
                 plan.before.setdefault(actions[j], []).append(st.ready)
             plan.regathers[stage] += 1
         if last_bwd is not None:

@@ -22,6 +22,7 @@ from meshpipe.parallel import (
     fsdp_begin_step,
 )
 from meshpipe.parallel.ep import EpStats, apply_ep, check_ep_plan
+from meshpipe.parallel.fsdp import fsdp_rest, gather_before, lend_param
 from meshpipe.parallel.fsdp_plan import plan_fsdp
 from meshpipe.parallel.replicas import broadcast_replicas
 from meshpipe.parallel.tied_tp import TiesKept, shared_within, tied_mismatches
@@ -52,6 +53,12 @@ def _split_by(
     if not ids:
         return list(params), []
     return [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
+
+
+def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the submodule that registers parameter ``name``, its own name for it)."""
+    path, _, leaf = name.rpartition(".")
+    return module.get_submodule(path), leaf
 
 
 def _ring(nbytes: int, n: int) -> int:
@@ -108,6 +115,9 @@ class Spmd:
         # those parameters (one entry each): reduced over dp at the step's end (_check_shared)
         self._shared_names: dict[int, set[str]] = {}
         self._shared: dict[int, nn.Parameter] = {}
+        # FSDP2 on one mesh: such a parameter is sharded once, by the first stage holding it
+        # (its owner); borrower stage -> [(owner stage, owner's name, borrower's name)]
+        self._borrowed: dict[int, list[tuple[int, str, str]]] = {}
         self._ties = TiesKept()
         self.topo = topo
         self.dp = dp if topo.dp_size > 1 else None  # dp= on size-1 axes is a no-op
@@ -182,6 +192,8 @@ class Spmd:
         # stage meshes sum a tied weight's copies whole across meshes (split/tied.py): under
         # FSDP2 a copy alone on its rank stays whole too (refused mid-step before 2026-12-03)
         whole = self.topo.layout.stage_meshes and mode in SHARDED
+        # FSDP2 on one mesh shards it once, in the first holder's unit, and lends it
+        lends = mode in SHARDED and not self.topo.layout.stage_meshes
         shared: list[str] = []
         for where in find_tied(all_stages):
             by_rank: dict[int, list[int]] = {}
@@ -190,17 +202,23 @@ class Spmd:
             for rank, stages in by_rank.items():
                 if len(stages) < 2 and not (whole and len(by_rank) > 1):
                     continue
-                shared.append(f"{[where[s] for s in stages]} on stages {stages} of pp rank {rank}")
+                said = f"{[where[s] for s in stages]} on stages {stages} of pp rank {rank}"
+                if lends:
+                    owner = min(stages)
+                    log.info("tied parameters sharded once, by stage %d: %s", owner, said)
+                    for s in stages:
+                        if rank == me and s != owner:
+                            self._borrowed.setdefault(s, []).append((owner, where[owner], where[s]))
+                    continue
+                shared.append(said)
                 if rank == me:
                     for s in stages:
                         self._shared_names.setdefault(s, set()).add(where[s])
         if shared and self.mp_policy is not None:
             raise PipelineError(
-                "mp_policy with tied parameters that FSDP2 must leave whole (shared by two "
-                "stages of one pp rank, or, on stage meshes, summed whole across meshes: "
-                f"{'; '.join(shared)}): kept whole they would not be cast; untie them, pick "
-                "a schedule that puts those stages on different ranks (1f1b, "
-                "interleaved_1f1b) on a uniform mesh, or drop mp_policy"
+                "mp_policy with tied parameters that FSDP2 must leave whole (on stage meshes, "
+                f"summed whole across meshes: {'; '.join(shared)}): kept whole they would not "
+                "be cast; untie them, use one mesh (meshpipe.init_mesh), or drop mp_policy"
             )
         if shared:
             log.info("tied parameters kept out of the stages' dp reductions: %s", shared)
@@ -266,6 +284,8 @@ class Spmd:
         experts = self._experts[stage] = self._apply_ep(module)
         names = self._shared_names.get(stage, set())
         shared = [p for n, p in module.named_parameters() if n in names]
+        borrowed = {b for _o, _n, b in self._borrowed.get(stage, ())}
+        lent = [p for n, p in module.named_parameters() if n in borrowed]
         dp = topo.dp_size
         for p in shared:
             if id(p) not in self._shared:  # one all-reduce over dp at the step's end
@@ -274,13 +294,14 @@ class Spmd:
                 self._dp_bytes_base += ring
                 self.dp_bytes_per_step += ring
                 self.dp_bytes_min += ring
-        skip = {id(p) for p in (*experts, *shared)}
+        skip = {id(p) for p in (*experts, *shared, *lent)}
         plain: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in skip]
         param_bytes = sum(p.numel() * p.element_size() for p in plain)
         if self.dp in SHARDED and self._shard_mesh is not None:
-            ignored = {*experts, *shared}
+            ignored = {*experts, *shared, *lent}
             sharded = apply_fsdp(module, self._shard_mesh, self.mp_policy, ignored)
             self._fsdp[stage] = sharded
+            self._borrow(stage, module)
             self._param_bytes[stage] = param_bytes
             # at least one all-gather and one reduce-scatter of the stage per step (ring),
             # hsdp: within dp, then an all-reduce of the shard across dp_replicate;
@@ -299,6 +320,24 @@ class Spmd:
             self.dp_bytes_per_step += 2 * _ring(param_bytes, dp)
             self.dp_bytes_min += 2 * _ring(param_bytes, dp)
         return module
+
+    def _borrow(self, stage: int, module: nn.Module) -> None:
+        """Point this stage's copies of tied parameters at the one its owner stage's FSDP2
+        unit shards (wrapped before it: stages are wrapped in increasing order), and gather
+        that unit before this stage runs."""
+        units: list[Any] = []
+        for owner, owner_name, name in self._borrowed.get(stage, ()):
+            try:
+                owned = self._fsdp[owner]
+                unit = lend_param(owned, _holder(owned, owner_name), [_holder(module, name)])
+            except (KeyError, ValueError) as e:
+                raise PipelineError(
+                    f"stage {stage}: cannot share {name!r} with stage {owner}'s {owner_name!r} "
+                    f"under FSDP2 ({e})"
+                ) from None
+            if all(unit is not u for u in units):
+                units.append(unit)
+                gather_before(module, unit)
 
     def _apply_ep(self, module: nn.Module) -> list[nn.Parameter]:
         """Shard the stage's experts over its ep group (after the replicas were made equal);
@@ -338,6 +377,11 @@ class Spmd:
             return self.topo.dp_size // self.topo.replicate_size
         return self.topo.dp_size
 
+    def rest(self) -> None:
+        """After a call without a backward: FSDP2 stages back to their shards (fsdp_rest)."""
+        for module in self._fsdp.values():
+            fsdp_rest(module)
+
     def begin_step(self) -> None:
         for module in self._fsdp.values():
             fsdp_begin_step(module)
@@ -358,7 +402,8 @@ class Spmd:
                 after.setdefault(action, []).append(self._syncs[stage].start)
         before: dict[Action, list[Hook]] = {}
         if self._fsdp:
-            plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap, sync)
+            lent = {b: [o for o, _n, _b in owners] for b, owners in self._borrowed.items()}
+            plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap, sync, lent)
             for a, hs in plan.after.items():
                 after.setdefault(a, []).extend(hs)
             for a, hs in plan.before.items():

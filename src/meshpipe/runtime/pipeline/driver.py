@@ -198,6 +198,8 @@ class StepDriver:
             if err is e:
                 raise
             raise err from e
+        if not training:  # FSDP2 units back to their shards (parallel/fsdp.py, fsdp_rest)
+            self.spmd.rest()
         return dict(losses)
 
     def _then_post_closing(self, gate: Callable[[], None]) -> Callable[[], None]:

@@ -428,4 +428,6 @@ class Pipeline(PipelineViews):
             self._whole, self.schedule, self.topology, self.timeout, self._runners,
             self._ensure_split,
         )  # fmt: skip
-        return generate(target, input_ids, max_new_tokens, **options)
+        out = generate(target, input_ids, max_new_tokens, **options)
+        self._driver.spmd.rest()  # FSDP2 units back to their shards (parallel/fsdp.py)
+        return out
