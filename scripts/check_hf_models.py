@@ -19,14 +19,17 @@ deep copy runs the same steps in one process. ``--accumulate``: each step is two
 the batch, the first under ``no_sync()``, both with ``grad_scale=0.5``; ``--adamw``: AdamW
 (eps 1e-2, so a near-zero gradient's float noise is not blown up) after
 ``clip_grad_norm_(0.5)`` instead of plain SGD, the norm and the updated parameters compared
-too. Printed per model: |loss gap| (and the norm's relative gap) and the worst gradient
-(and parameter) gap over both steps and all processes (DTensors compared whole), on
-zero-bubble schedules how many W actions set weight gradients and how many I actions did
-(none when the split works; ``meshpipe.testing.weight_work``), or the error raised.
-Models refused for a combination meshpipe does not build for them (no tp or ep plan
-declared, attention masks cp cannot take) are skipped. Exit status 1 if any gap exceeds
-1e-5 or any model failed. The suite checks a few of these (tests/test_real_models.py);
-this runs the wider set by hand (minutes).
+too; ``--eval-between``: ``eval_step`` on the batch after each step, before the update (its
+loss compared too).
+
+Printed per model: |loss gap| (and the norm's relative gap) and the worst gradient (and
+parameter) gap over both steps and all processes (DTensors compared whole), on zero-bubble
+schedules how many W actions set weight gradients and how many I actions did (none when
+the split works; ``meshpipe.testing.weight_work``), or the error raised. Models refused
+for a combination meshpipe does not build for them (no tp or ep plan declared, attention
+cp cannot take) are skipped. Exit status 1 if any gap exceeds 1e-5 or any model failed.
+The suite checks a few of these (tests/test_real_models.py); this runs the wider set by
+hand (minutes).
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ class Scenario:
     stage_meshes: tuple[dict[str, int], ...] = ()
     accumulate: bool = False  # each step: two no_sync halves (grad_scale 0.5) + a synced one
     adamw: bool = False  # AdamW with clip_grad_norm_(0.5) instead of plain SGD
+    eval_between: bool = False  # eval_step after each step, before the update
     rows: int = 8
     options: dict[str, Any] = field(default_factory=dict)  # more Pipeline arguments
 
@@ -254,10 +258,18 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
             expected_t = ref_loss(whole)
             expected_t.backward()
             expected = expected_t.detach()
+        if sc.eval_between:  # the loss of the same batch, parameters and gradients untouched
+            local = _replica_rows(sc, mesh, sc.rows)
+            args = {k: v[local] for k, v in kw.items()}
+            seen = float(pipe.eval_step(ids[local], target=target[local], **args))
+            with torch.no_grad():
+                loss_gap_eval = abs(seen - float(ref_loss(whole)))
         if pipe_opt is None:  # the pipeline's parameters exist once it is split
             pipe_opt = opt_cls(pipe.parameters(), **LR)
         gap = _grad_gap(pipe, ref)
         loss_gap = abs(loss - float(expected))
+        if sc.eval_between:
+            loss_gap = max(loss_gap, loss_gap_eval)
         if sc.adamw:
             norm = float(pipe.clip_grad_norm_(0.5))
             ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
@@ -317,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage-meshes", help='JSON, e.g. \'[{"dp": 2}, {"tp": 2}]\'')
     ap.add_argument("--accumulate", action="store_true", help="no_sync halves, grad_scale 0.5")
     ap.add_argument("--adamw", action="store_true", help="AdamW + clip_grad_norm_(0.5)")
+    ap.add_argument("--eval-between", action="store_true", help="eval_step before updates")
     ap.add_argument("--rows", type=int, default=8, help="batch rows (uneven microbatches: 7)")
     ap.add_argument("--checkpointing", action="store_true", help='activation_checkpointing="full"')
     ap.add_argument("--compile", action="store_true", help="compile=True (minutes per model)")
@@ -332,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     sc = Scenario(
         schedule=args.schedule, pp=len(meshes) or args.pp, tp=args.tp, dp=args.dp,
         dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep, stage_meshes=meshes,
-        accumulate=args.accumulate, adamw=args.adamw, rows=args.rows, options=options,
+        accumulate=args.accumulate, adamw=args.adamw, eval_between=args.eval_between,
+        rows=args.rows, options=options,
     )  # fmt: skip
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
