@@ -130,7 +130,7 @@ def _eval_between(mesh: Any, schedule: str) -> dict[str, float]:
     a second step. Those calls gathered the stages' parameters and left them so: the modules
     kept the gathered tensors, so the gradients vanished from named_parameters() and the
     second step computed with the values from before the update (its loss 1.2e-1 off on a
-    toy MLP; until 2026-12-04)."""
+    toy MLP; until the 23rd session, 2026-12-03)."""
     model = tied_lm()
     ref = copy.deepcopy(model)
     torch.manual_seed(2)
@@ -197,7 +197,7 @@ def _all_cases() -> dict[str, dict[str, Any]]:
     # (DDP-style), or FSDP2 sharded each stage's copy apart (before 2026-12-03: gradients
     # off by 1e-1 on Gemma 2, OPT, BLOOM, Falcon, SmolLM3 at zbv x dp2; BERT stopped).
     # FSDP2 shards it once, in stage 0's unit, and lends it to stage 3 (kept whole on
-    # every replica, and mp_policy refused, before 2026-12-04)
+    # every replica, and mp_policy refused, before the 23rd session, 2026-12-03)
     for dp in ("ddp", "fsdp"):
         out[f"zbv_{dp}"] = _case(mesh, dp, stage_meshes=False, schedule="zbv")
     out["zbv_fsdp_accumulate"] = _case(mesh, "fsdp", False, schedule="zbv", accumulate=True)

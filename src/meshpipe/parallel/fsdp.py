@@ -73,7 +73,7 @@ def fsdp_rest(module: nn.Module) -> None:
     forward, for the step's sake), and then the modules hold the gathered tensors instead of
     the sharded parameters: ``named_parameters()`` showed tensors without the step's
     gradients, and the next step computed with the values gathered before the optimizer's
-    update (until 2026-12-04)."""
+    update; until the 23rd session, 2026-12-03)."""
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
