@@ -420,6 +420,13 @@ def _qwen2_fsdp() -> dict[str, Any]:
         split_points=[f"model.layers.{i}" for i in (1, 2, 3)],
     )  # fmt: skip
     gaps["tied_zbv"] = _train(pipe, ref, sm.lm_loss, batches, part)
+    # FSDP2 shards it once (stage 0's unit) and lends it to stage 3, which holds it under two
+    # names (the one export kept and the head's own): one DTensor, half the rows each
+    held = [p for s in pipe.stages for n, p in s.named_parameters(remove_duplicate=False)
+            if n in ("model.embed_tokens.weight", "lm_head.weight")]  # fmt: skip
+    gaps["tied_held"] = len(held)
+    gaps["tied_one"] = all(p is held[0] for p in held)
+    gaps["tied_rows"] = held[0].to_local().shape[0] if held else 0
     return gaps
 
 
@@ -434,6 +441,8 @@ def test_qwen2_pp2_dp2_fsdp_and_checkpointing_per_block_matches_one_process() ->
         tied = r["tied_zbv"]
         assert tied["loss"] < ATOL and tied["norm"] < ATOL, (rank, tied)
         assert tied["param"] < TP_PARAM_ATOL, (rank, tied)
+        if rank < 2:  # pp rank 0: stage 0 holds it once, stage 3 twice; 64 rows, 32 here
+            assert r["tied_held"] == 3 and r["tied_one"] and r["tied_rows"] == 32, (rank, r)
 
 
 def _gpt2_stage_meshes() -> dict[str, Any]:

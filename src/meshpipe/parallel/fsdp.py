@@ -16,7 +16,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["apply_fsdp", "fsdp_begin_step", "fsdp_reduce", "fsdp_rest", "gather_before", "lend_param"]
+__all__ = [
+    "apply_fsdp",
+    "fsdp_begin_step",
+    "fsdp_reduce",
+    "fsdp_rest",
+    "gather_before",
+    "lend_param",
+]
 
 
 def apply_fsdp(

@@ -327,9 +327,17 @@ class Spmd:
         that unit before this stage runs."""
         units: list[Any] = []
         for owner, owner_name, name in self._borrowed.get(stage, ()):
+            # every name this stage holds it under (a traced stage may hold it twice: the
+            # name export kept, and the head module's own)
+            mine = module.get_parameter(name)
+            holders = [
+                _holder(module, n)
+                for n, p in module.named_parameters(remove_duplicate=False)
+                if p is mine
+            ]
             try:
                 owned = self._fsdp[owner]
-                unit = lend_param(owned, _holder(owned, owner_name), [_holder(module, name)])
+                unit = lend_param(owned, _holder(owned, owner_name), holders)
             except (KeyError, ValueError) as e:
                 raise PipelineError(
                     f"stage {stage}: cannot share {name!r} with stage {owner}'s {owner_name!r} "
