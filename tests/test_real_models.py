@@ -427,7 +427,31 @@ def _qwen2_fsdp() -> dict[str, Any]:
     gaps["tied_held"] = len(held)
     gaps["tied_one"] = all(p is held[0] for p in held)
     gaps["tied_rows"] = held[0].to_local().shape[0] if held else 0
+    # generate() after training, and on a fresh FSDP2 Pipeline before any step: decode
+    # calls the layers, not the stages' forward, and met the shards ("mixed torch.Tensor
+    # and DTensor" until the 23rd session, 2026-12-03); greedy tokens as Hugging Face's
+    prompt = batches[0][0][0][:4, :5]  # 4 rows: the fresh Pipeline splits on them
+    gaps["generate_trained"] = _same_tokens(pipe, ref, prompt)
+    torch.manual_seed(0)
+    model = _qwen2(tie=True)
+    fresh = meshpipe.Pipeline(
+        copy.deepcopy(model), mesh, "1f1b", 4, loss_fn=sm.lm_loss, dp="fsdp",
+        split_points=["model.layers.2"],
+    )  # fmt: skip
+    gaps["generate_fresh"] = _same_tokens(fresh, model, prompt)
+    # and the step after it computes with the parameters (gathered, then back to shards)
+    step_loss = fresh.step(part(batches[0][0][0]), target=part(batches[0][2]))
+    with torch.no_grad():
+        out = model(batches[0][0][0])
+    gaps["after_generate"] = abs(step_loss.item() - sm.lm_loss(out, batches[0][2]).item())
     return gaps
+
+
+def _same_tokens(pipe: meshpipe.Pipeline, ref: nn.Module, prompt: torch.Tensor) -> bool:
+    got = pipe.generate(prompt, max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    return bool(got.tolist() == want.tolist())
 
 
 def test_qwen2_pp2_dp2_fsdp_and_checkpointing_per_block_matches_one_process() -> None:
@@ -443,6 +467,8 @@ def test_qwen2_pp2_dp2_fsdp_and_checkpointing_per_block_matches_one_process() ->
         assert tied["param"] < TP_PARAM_ATOL, (rank, tied)
         if rank < 2:  # pp rank 0: stage 0 holds it once, stage 3 twice; 64 rows, 32 here
             assert r["tied_held"] == 3 and r["tied_one"] and r["tied_rows"] == 32, (rank, r)
+        assert r["generate_trained"] and r["generate_fresh"], (rank, r)
+        assert r["after_generate"] < ATOL, (rank, r)
 
 
 def _gpt2_stage_meshes() -> dict[str, Any]:

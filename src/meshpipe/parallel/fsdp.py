@@ -74,6 +74,19 @@ def fsdp_reduce(module: FSDPModule, sync: bool = True) -> None:
     state._root_post_backward_final_callback()
 
 
+def fsdp_gather(module: nn.Module) -> None:
+    """Every FSDP2 unit of a stage gathered, for code that calls the stage's layers without
+    the stage's own forward (generation's decode: FSDP2's pre-forward hooks never run
+    there, and the layers met their shards: "mixed torch.Tensor and DTensor" until the
+    23rd session, 2026-12-03). The stage's root initialises first, as its forward would:
+    a block's own hooks would otherwise make the block a root of its own, and the stage's
+    next forward stop ("FSDP state has already been lazily initialized")."""
+    fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+
+
 def fsdp_rest(module: nn.Module) -> None:
     """Every FSDP2 unit of a stage back to its shards, after a call without a backward
     (evaluation, forward, generation). Such a forward leaves them gathered (no reshard after

@@ -22,7 +22,7 @@ from meshpipe.parallel import (
     fsdp_begin_step,
 )
 from meshpipe.parallel.ep import EpStats, apply_ep, check_ep_plan
-from meshpipe.parallel.fsdp import fsdp_rest, gather_before, lend_param
+from meshpipe.parallel.fsdp import fsdp_gather, fsdp_rest, gather_before, lend_param
 from meshpipe.parallel.fsdp_plan import plan_fsdp
 from meshpipe.parallel.replicas import broadcast_replicas
 from meshpipe.parallel.tied_tp import TiesKept, shared_within, tied_mismatches
@@ -384,6 +384,12 @@ class Spmd:
         if self.dp == "hsdp":
             return self.topo.dp_size // self.topo.replicate_size
         return self.topo.dp_size
+
+    def gather(self) -> None:
+        """Before a call that runs stage layers outside the stages' forward (generation):
+        FSDP2 stages gathered (fsdp_gather)."""
+        for module in self._fsdp.values():
+            fsdp_gather(module)
 
     def rest(self) -> None:
         """After a call without a backward: FSDP2 stages back to their shards (fsdp_rest)."""

@@ -424,10 +424,16 @@ class Pipeline(PipelineViews):
         each row with its busy fraction). Same call
         on every rank; no gradients, parameters and train/eval mode untouched."""
         refuse(self._cp, "generate()")
+        spmd = self._driver.spmd
+
+        def split_and_gather(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._ensure_split(args, kwargs)
+            spmd.gather()  # FSDP2: decode calls the stages' layers, not their forward
+
         target = GenTarget(
             self._whole, self.schedule, self.topology, self.timeout, self._runners,
-            self._ensure_split,
+            split_and_gather,
         )  # fmt: skip
         out = generate(target, input_ids, max_new_tokens, **options)
-        self._driver.spmd.rest()  # FSDP2 units back to their shards (parallel/fsdp.py)
+        spmd.rest()  # and back to their shards (parallel/fsdp.py)
         return out
