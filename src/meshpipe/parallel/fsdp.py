@@ -126,10 +126,14 @@ def lend_param(
         for group in _param_groups(state):
             for fsdp_param in group.fsdp_params:
                 info = fsdp_param._module_info
-                if info.module is not holder[0] or info.param_name != holder[1]:
+                places = [(info.module, info.param_name)]
+                places += zip(info.shared_modules, info.shared_param_names)
+                if not any(m is holder[0] and n == holder[1] for m, n in places):
                     continue
                 current = getattr(holder[0], holder[1])
                 for module, name in borrowers:
+                    if any(m is module and n == name for m, n in places):
+                        continue  # a module both stages hold: FSDP2 swaps it already
                     info.shared_modules.append(module)
                     info.shared_param_names.append(name)
                     module._parameters[name] = current

@@ -4,7 +4,7 @@ at construction, in a few coalesced messages (DDP's initial sync, for every dp m
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -27,10 +27,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Parameters (each shared one once) and buffers, as local tensors, in module order."""
+def _state(module: nn.Module, skip: Collection[int] = ()) -> list[tuple[str, torch.Tensor]]:
+    """Parameters (each shared one once) and buffers, as local tensors, in module order;
+    without the tensors whose id is in ``skip``."""
     named = [*module.named_parameters(), *module.named_buffers()]
-    return [(name, _local(t.detach())) for name, t in named]
+    return [(name, _local(t.detach())) for name, t in named if id(t) not in skip]
 
 
 def _digest(state: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
@@ -91,13 +92,16 @@ def broadcast_replicas(
     device: torch.device,
     wait: Wait,
     bucket_bytes: int = BUCKET_BYTES,
+    skip: Collection[int] = (),
 ) -> None:
     """Give every dp replica of ``stage`` the parameters and buffers of dp replica 0 (group
     rank 0 of ``group``), in place. Collective over ``group``. DTensor parameters (TP) are
     broadcast shard by shard: replicas at the same tp coordinate hold the same shard. Call
-    before FSDP2 shards the stage over dp."""
+    before FSDP2 shards the stage over dp. ``skip``: ids of tensors made equal already (a
+    module another stage of this process shares, sharded by that stage's FSDP2: its shard
+    broadcast again would overwrite the other replicas' shards with replica 0's rows)."""
     with torch.no_grad():
-        state = _state(module)
+        state = _state(module, skip)
         _check_same(state, group, stage, device, wait)
         src = dist.get_global_rank(group, 0)
         sending = dist.get_rank() == src

@@ -55,6 +55,15 @@ def _split_by(
     return [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
 
 
+def _names_of(module: nn.Module, name: str) -> tuple[str, ...]:
+    """Every name ``module`` holds parameter ``name``'s tensor under, read before any stage
+    is wrapped: a traced stage may hold a tied weight twice (the name export kept, often
+    on a module it shares with another stage, and the head's own), and once the first
+    stage is sharded the shared module's name already shows the shard."""
+    tensor = module.get_parameter(name)
+    return tuple(n for n, p in module.named_parameters(remove_duplicate=False) if p is tensor)
+
+
 def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """(the submodule that registers parameter ``name``, its own name for it)."""
     path, _, leaf = name.rpartition(".")
@@ -116,8 +125,10 @@ class Spmd:
         self._shared_names: dict[int, set[str]] = {}
         self._shared: dict[int, nn.Parameter] = {}
         # FSDP2 on one mesh: such a parameter is sharded once, by the first stage holding it
-        # (its owner); borrower stage -> [(owner stage, owner's name, borrower's name)]
-        self._borrowed: dict[int, list[tuple[int, str, str]]] = {}
+        # (its owner); borrower stage -> [(owner stage, owner's name, every name the
+        # borrower holds it under)]
+        self._borrowed: dict[int, list[tuple[int, str, tuple[str, ...]]]] = {}
+        self._made_equal: set[int] = set()  # ids of the wrapped stages' parameters
         self._ties = TiesKept()
         self.topo = topo
         self.dp = dp if topo.dp_size > 1 else None  # dp= on size-1 axes is a no-op
@@ -208,7 +219,8 @@ class Spmd:
                     log.info("tied parameters sharded once, by stage %d: %s", owner, said)
                     for s in stages:
                         if rank == me and s != owner:
-                            self._borrowed.setdefault(s, []).append((owner, where[owner], where[s]))
+                            names = _names_of(all_stages[s], where[s])
+                            self._borrowed.setdefault(s, []).append((owner, where[owner], names))
                     continue
                 shared.append(said)
                 if rank == me:
@@ -276,16 +288,17 @@ class Spmd:
                 self._ties.keep(module, before)
             except ValueError as e:
                 raise PipelineError(f"stage {stage}: {e}") from None
-        if topo.dp_group is not None:
-            broadcast_replicas(
+        if topo.dp_group is not None:  # what an earlier stage of this process made equal: not
+            broadcast_replicas(  # again (a tied weight it shares, already its FSDP2 shard)
                 module, topo.dp_group, stage, topo.device,
                 lambda work, what: wait_bounded(work, timeout, what, None),
+                skip=self._made_equal,
             )  # fmt: skip
         experts = self._experts[stage] = self._apply_ep(module)
         names = self._shared_names.get(stage, set())
-        shared = [p for n, p in module.named_parameters() if n in names]
-        borrowed = {b for _o, _n, b in self._borrowed.get(stage, ())}
-        lent = [p for n, p in module.named_parameters() if n in borrowed]
+        shared = [p for n, p in module.named_parameters(remove_duplicate=False) if n in names]
+        borrowed = {n for _o, _n, names in self._borrowed.get(stage, ()) for n in names}
+        lent = [p for n, p in module.named_parameters(remove_duplicate=False) if n in borrowed]
         dp = topo.dp_size
         for p in shared:
             if id(p) not in self._shared:  # one all-reduce over dp at the step's end
@@ -319,6 +332,7 @@ class Spmd:
         elif self.plain_allreduce:
             self.dp_bytes_per_step += 2 * _ring(param_bytes, dp)
             self.dp_bytes_min += 2 * _ring(param_bytes, dp)
+        self._made_equal.update(id(p) for p in module.parameters())
         return module
 
     def _borrow(self, stage: int, module: nn.Module) -> None:
@@ -326,22 +340,15 @@ class Spmd:
         unit shards (wrapped before it: stages are wrapped in increasing order), and gather
         that unit before this stage runs."""
         units: list[Any] = []
-        for owner, owner_name, name in self._borrowed.get(stage, ()):
-            # every name this stage holds it under (a traced stage may hold it twice: the
-            # name export kept, and the head module's own)
-            mine = module.get_parameter(name)
-            holders = [
-                _holder(module, n)
-                for n, p in module.named_parameters(remove_duplicate=False)
-                if p is mine
-            ]
+        for owner, owner_name, names in self._borrowed.get(stage, ()):
             try:
                 owned = self._fsdp[owner]
+                holders = [_holder(module, n) for n in names]
                 unit = lend_param(owned, _holder(owned, owner_name), holders)
             except (KeyError, ValueError) as e:
                 raise PipelineError(
-                    f"stage {stage}: cannot share {name!r} with stage {owner}'s {owner_name!r} "
-                    f"under FSDP2 ({e})"
+                    f"stage {stage}: cannot share {list(names)} with stage {owner}'s "
+                    f"{owner_name!r} under FSDP2 ({e})"
                 ) from None
             if all(unit is not u for u in units):
                 units.append(unit)
@@ -416,7 +423,7 @@ class Spmd:
                 after.setdefault(action, []).append(self._syncs[stage].start)
         before: dict[Action, list[Hook]] = {}
         if self._fsdp:
-            lent = {b: [o for o, _n, _b in owners] for b, owners in self._borrowed.items()}
+            lent = {b: [o for o, _n, _ns in owners] for b, owners in self._borrowed.items()}
             plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap, sync, lent)
             for a, hs in plan.after.items():
                 after.setdefault(a, []).extend(hs)
