@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 __all__ = [
     "apply_fsdp",
     "fsdp_begin_step",
+    "fsdp_gather",
     "fsdp_reduce",
     "fsdp_rest",
     "gather_before",

@@ -297,7 +297,7 @@ class Spmd:
         experts = self._experts[stage] = self._apply_ep(module)
         names = self._shared_names.get(stage, set())
         shared = [p for n, p in module.named_parameters(remove_duplicate=False) if n in names]
-        borrowed = {n for _o, _n, names in self._borrowed.get(stage, ()) for n in names}
+        borrowed = {n for _o, _n, held in self._borrowed.get(stage, ()) for n in held}
         lent = [p for n, p in module.named_parameters(remove_duplicate=False) if n in borrowed]
         dp = topo.dp_size
         for p in shared:
