@@ -7,7 +7,8 @@ the state under the head's name: "missing ['optim.param_groups.4.weight']" until
 2026-12-03. The checkpoint now records a tied weight's other names.
 
 One spawn of 4 processes (pp2 x dp2): AdamW steps on zbv with FSDP2, saved, loaded into 1f1b
-with DDP-style replicas; and a one-process model's checkpoint loaded into that 1f1b layout.
+with DDP-style replicas; and a one-process model's checkpoint loaded into that 1f1b layout
+and into zbv with FSDP2.
 Parameters and AdamW moments against the same steps in one process.
 """
 
@@ -48,12 +49,18 @@ def _gaps(
     worst = {"param": 0.0, "moment": 0.0, "moments": 0.0}
     for name, p in pipe.named_parameters():
         r = ref_params[name]
-        worst["param"] = max(worst["param"], (p.detach() - r.detach()).abs().max().item())
+        worst["param"] = max(worst["param"], (_whole(p) - r.detach()).abs().max().item())
         for key in ("exp_avg", "exp_avg_sq"):
-            got, want = opt.state[p][key], ref_opt.state[r][key]
+            got, want = _whole(opt.state[p][key]), ref_opt.state[r][key]
             worst["moment"] = max(worst["moment"], (got - want).abs().max().item())
             worst["moments"] += 1
     return worst
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's shard) gathered whole, or ``t``."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach()
 
 
 def _body(root: str) -> dict[str, Any]:
@@ -81,6 +88,14 @@ def _body(root: str) -> dict[str, Any]:
         meshpipe.checkpoint.load(other, os.path.join(root, source), optimizer=other_opt)
         out[source] = _gaps(other, other_opt, ref, ref_opt)
         out[f"{source} holds"] = sorted(n for n, _ in other.named_parameters())
+    # and the one-process checkpoint into zbv x FSDP2, where stage 0's unit shards the
+    # weight and lends it to stage 3 (parallel/fsdp.py, lend_param)
+    lent = meshpipe.Pipeline(
+        tied_lm(), mesh, "zbv", 2, lm_loss, dp="fsdp", split_points=["1", "2", "4"], timeout=60
+    )
+    lent_opt = torch.optim.AdamW(lent.parameters(), lr=1e-2)
+    meshpipe.checkpoint.load(lent, os.path.join(root, "one"), optimizer=lent_opt)
+    out["one into zbv"] = _gaps(lent, lent_opt, ref, ref_opt)
     return out
 
 
@@ -91,6 +106,8 @@ def test_tied_weight_state_loads_where_the_head_is_alone(tmp_path: Path) -> None
             gaps = res[source]
             assert gaps["param"] < ATOL and gaps["moment"] < ATOL, (rank, source, gaps)
             assert gaps["moments"] == 6, (rank, source, gaps)  # 3 parameters, 2 moments
+        lent = res["one into zbv"]
+        assert lent["param"] < ATOL and lent["moment"] < ATOL and lent["moments"] > 0, (rank, lent)
         # pp rank 1 holds the head alone, under its own name
         head = "4.weight" in res["zbv holds"] and "0.weight" not in res["zbv holds"]
         assert head == (rank >= 2), (rank, res["zbv holds"])
