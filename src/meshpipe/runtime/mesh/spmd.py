@@ -408,11 +408,12 @@ class Spmd:
             fsdp_begin_step(module)
 
     def hooks(
-        self, schedule: Schedule, rank: int, sync: bool = True
+        self, schedule: Schedule, rank: int, sync: bool = True, fsdp_sync: bool | None = None
     ) -> tuple[dict[Action, list[Hook]], dict[Action, list[Hook]]]:
         """(before, after) callbacks per action: gradient reductions right after each local
-        stage's last backward action of the step; FSDP2 reshards while a stage is idle and
-        gathers ahead of its next use."""
+        stage's last backward action of the step (DDP-style buckets when ``sync``; FSDP2's
+        reduce-scatter when ``fsdp_sync``, default ``sync``); FSDP2 reshards while a stage is
+        idle and gathers ahead of its next use."""
         last: dict[int, Action] = {}
         for a in schedule.actions[rank]:
             if a.op is not Op.F:
@@ -424,7 +425,8 @@ class Spmd:
         before: dict[Action, list[Hook]] = {}
         if self._fsdp:
             lent = {b: [o for o, _n, _ns in owners] for b, owners in self._borrowed.items()}
-            plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap, sync, lent)
+            fsync = sync if fsdp_sync is None else fsdp_sync
+            plan = plan_fsdp(schedule.actions[rank], self._fsdp, self.reshard_gap, fsync, lent)
             for a, hs in plan.after.items():
                 after.setdefault(a, []).extend(hs)
             for a, hs in plan.before.items():

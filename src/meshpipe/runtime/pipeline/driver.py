@@ -171,7 +171,10 @@ class StepDriver:
             comm.gate = self._then_post_closing(gate)
         self.status = RankStatus(phase="pipeline")
         # the usual step reduces as stages finish; accumulation reduces at the end
-        hooks = self.spmd.hooks(schedule, self.topology.pp_rank, sync=self.accumulate.usual)
+        # FSDP2 reduce-scatters at every synced step: what it accumulated in a no_sync
+        # window is inside it, whatever else was kept (expert gradients) is reduced after
+        acc = self.accumulate
+        hooks = self.spmd.hooks(schedule, self.topology.pp_rank, acc.usual, acc.synced)
         before, after = hooks if training else ({}, {})
         self.spmd.ep_stats.reset()  # comm_stats: what this call's all-to-alls moved
         if training:
@@ -300,8 +303,10 @@ class StepDriver:
         # the gradients are reduced here, after the closing (dp=None), else refused
         exact = spmd.dp is None and spmd.expert_group is None
         loss, scale, weight = self._close(losses, contributes, exact)
-        if whole is not None and not topo.stage_meshes:
-            whole.sync_grads()  # tied weights: sum over the stages holding them
+        # tied weights: sum over the stages holding them; FSDP2 shows no gradients inside a
+        # no_sync window (they are in it, summed with the synced step's, then summed here)
+        if whole is not None and not topo.stage_meshes and (acc.synced or not spmd.uses_fsdp):
+            whole.sync_grads()
         dp_group = topo.dp_group
         # expert parameters: summed over the processes holding the same experts, scaled as
         # the rest (their own ep group's tokens are already in them, by the all-to-alls)
@@ -311,8 +316,22 @@ class StepDriver:
         plain, shared = spmd.split_shared(plain)
         groups = [(plain, dp_group), (experts, spmd.expert_group), (shared, dp_group)]
         if spmd.uses_fsdp:
+            # FSDP2's parameters: their gradients stay inside it through a no_sync window and
+            # its reduce-scatter (an average over dp) ends every synced step: scaled then.
+            # The rest (experts, a weight kept whole) as without FSDP2. Until the 23rd
+            # session (2026-12-03) a kept gradient of those (or the zeros the tied sum gave
+            # a sharded weight in the window) turned the synced step into an accumulation
+            # step: FSDP2 never reduce-scattered, gradients stayed None, silently.
             acc.check_uniform(scale * gs)
-        if not acc.usual:  # kept locally until the window's end: weighted now
+            if acc.synced:
+                reduce_grads(plain, scale * factor * gs, None)
+            rest = [(experts, spmd.expert_group), (shared, dp_group)]
+            if not acc.usual:
+                acc.reduce([*experts, *shared], scale * gs, rest, self.timeout, watchdog)
+            else:
+                for group_params, group in rest:
+                    reduce_grads(group_params, scale * gs, group, self.timeout, watchdog)
+        elif not acc.usual:  # kept locally until the window's end: weighted now
             local = scale * gs if weight is None else scale * gs * weight
             acc.reduce(params, local, groups, self.timeout, watchdog)
         elif spmd.grads_summed_elsewhere:
