@@ -66,6 +66,7 @@ def _case(
     tp_plan: dict[str, Any] | None = None,
     mp: bool = False,
     accumulate: bool = False,
+    batch: int = 8,
 ) -> dict[str, Any]:
     """``given``: how the model reaches the Pipeline: with split points ("points"), as a
     Sequential it splits evenly ("sequential"), or as a list of stage modules ("stages");
@@ -79,7 +80,7 @@ def _case(
     model = tied_lm()
     ref = copy.deepcopy(model)  # keeps the tie: one parameter, used twice
     torch.manual_seed(1)
-    ids, target = torch.randint(0, VOCAB, (8, 6)), torch.randint(0, VOCAB, (8, 6))
+    ids, target = torch.randint(0, VOCAB, (batch, 6)), torch.randint(0, VOCAB, (batch, 6))
     points = (["2"] if schedule == "1f1b" else ["1", "2", "4"]) if given == "points" else None
     if not isinstance(mesh, list) and mesh.size(0) == 1:
         points = []  # pp=1: one stage holds both uses
@@ -93,11 +94,13 @@ def _case(
     def rows(x: torch.Tensor) -> torch.Tensor:  # stage meshes: every process the whole batch
         return x if stage_meshes else dp_batch(x, mesh)
 
+    half = batch // 2
     if accumulate:
         with pipe.no_sync():
-            first = pipe.step(rows(ids[:4]), target=rows(target[:4]), grad_scale=0.5)
-        loss = (first + pipe.step(rows(ids[4:]), target=rows(target[4:]), grad_scale=0.5)) / 2
-        expected = sum(lm_loss(ref(ids[h]), target[h]) / 2 for h in (slice(0, 4), slice(4, 8)))
+            first = pipe.step(rows(ids[:half]), target=rows(target[:half]), grad_scale=0.5)
+        loss = (first + pipe.step(rows(ids[half:]), target=rows(target[half:]), grad_scale=0.5)) / 2
+        halves = (slice(0, half), slice(half, batch))
+        expected = sum(lm_loss(ref(ids[h]), target[h]) / 2 for h in halves)
     else:
         loss = pipe.step(rows(ids), target=rows(target))
         expected = lm_loss(ref(ids), target)
@@ -225,6 +228,10 @@ def _all_cases() -> dict[str, dict[str, Any]]:
         out[f"stage_meshes_fsdp_{schedule}"] = _case(
             meshes, "fsdp", stage_meshes=True, schedule=schedule
         )
+    # no_sync on stage meshes: the copies were summed in the window and again at its synced
+    # step, over the kept sums (3e-2 off on OPT; until the 23rd session, 2026-12-03)
+    for dp in (None, "fsdp"):
+        out[f"stage_meshes_{dp}_accumulate"] = _case(meshes, dp, True, accumulate=True, batch=12)
     out["stage_meshes_fsdp_mp"] = _refused(meshes)
     for schedule in ("1f1b", "zbv"):  # zbv: the lent weight too
         out[f"eval_between_{schedule}"] = _eval_between(mesh, schedule)
@@ -242,7 +249,8 @@ def test_clip_grad_norm_counts_a_tied_weight_once(results: list[dict[str, Any]])
     cases = ("pp2_dp2_ddp", "pp2_dp2_fsdp", "sequential", "stages", "zbv_ddp", "zbv_fsdp")
     tp = ("tp_1f1b", "tp_zbv", "tp_one_stage")
     meshes = ("stage_meshes_dp3_1", "stage_meshes_1_dp3", "stage_meshes_fsdp_1f1b")
-    accumulating = ("zbv_fsdp_accumulate", "fsdp_accumulate")
+    accumulating = ("zbv_fsdp_accumulate", "fsdp_accumulate", "stage_meshes_None_accumulate",
+                    "stage_meshes_fsdp_accumulate")  # fmt: skip
     for case in (*cases, *meshes, "stage_meshes_fsdp_zbv", *tp, *accumulating):
         per_rank = [r[case] for r in results]
         held = [r["holds_tied"] for r in per_rank]  # zbv: on pp rank 0's processes only

@@ -341,8 +341,11 @@ class StepDriver:
         else:
             for group_params, group in groups:
                 reduce_grads(group_params, scale * gs, group, self.timeout, watchdog, weight)
-        if whole is not None and topo.stage_meshes:
-            whole.sync_grads()  # stage meshes: after dp, as whole-mesh means
+        # stage meshes: after dp, as whole-mesh means; in a no_sync window once, at its synced
+        # step (the kept sums are added before, so a sum in the window counted twice: tied
+        # gradients 3e-2 off, silently, until the 23rd session, 2026-12-03)
+        if whole is not None and topo.stage_meshes and acc.synced:
+            whole.sync_grads()
         return loss
 
     def _close(
