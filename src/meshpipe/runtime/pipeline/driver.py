@@ -316,21 +316,7 @@ class StepDriver:
         plain, shared = spmd.split_shared(plain)
         groups = [(plain, dp_group), (experts, spmd.expert_group), (shared, dp_group)]
         if spmd.uses_fsdp:
-            # FSDP2's parameters: their gradients stay inside it through a no_sync window and
-            # its reduce-scatter (an average over dp) ends every synced step: scaled then.
-            # The rest (experts, a weight kept whole) as without FSDP2. Until the 23rd
-            # session (2026-12-03) a kept gradient of those (or the zeros the tied sum gave
-            # a sharded weight in the window) turned the synced step into an accumulation
-            # step: FSDP2 never reduce-scattered, gradients stayed None, silently.
-            acc.check_uniform(scale * gs)
-            if acc.synced:
-                reduce_grads(plain, scale * factor * gs, None)
-            rest = [(experts, spmd.expert_group), (shared, dp_group)]
-            if not acc.usual:
-                acc.reduce([*experts, *shared], scale * gs, rest, self.timeout, watchdog)
-            else:
-                for group_params, group in rest:
-                    reduce_grads(group_params, scale * gs, group, self.timeout, watchdog)
+            self._reduce_fsdp(plain, experts, shared, scale * gs, factor)
         elif not acc.usual:  # kept locally until the window's end: weighted now
             local = scale * gs if weight is None else scale * gs * weight
             acc.reduce(params, local, groups, self.timeout, watchdog)
@@ -347,6 +333,31 @@ class StepDriver:
         if whole is not None and topo.stage_meshes and acc.synced:
             whole.sync_grads()
         return loss
+
+    def _reduce_fsdp(
+        self,
+        plain: list[nn.Parameter],
+        experts: list[nn.Parameter],
+        shared: list[nn.Parameter],
+        scale: torch.Tensor | float,
+        factor: float,
+    ) -> None:
+        """FSDP2's parameters (``plain``): their gradients stay inside it through a no_sync
+        window and its reduce-scatter (an average over dp) ends every synced step: scaled
+        then. The rest (experts, a weight kept whole) as without FSDP2. Until the 23rd
+        session (2026-12-03) a kept gradient of those (or the zeros the tied sum gave a
+        sharded weight in the window) turned the synced step into an accumulation step:
+        FSDP2 never reduce-scattered, gradients stayed None or wrong, silently."""
+        acc, spmd, watchdog = self.accumulate, self.spmd, self.watchdog
+        acc.check_uniform(scale)
+        if acc.synced:
+            reduce_grads(plain, scale * factor, None)
+        rest = [(experts, spmd.expert_group), (shared, self.topology.dp_group)]
+        if not acc.usual:
+            acc.reduce([*experts, *shared], scale, rest, self.timeout, watchdog)
+        else:
+            for group_params, group in rest:
+                reduce_grads(group_params, scale, group, self.timeout, watchdog)
 
     def _close(
         self, records: Any, contributes: bool, exact: bool
