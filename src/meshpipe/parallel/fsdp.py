@@ -83,9 +83,8 @@ def fsdp_gather(module: nn.Module) -> None:
     a block's own hooks would otherwise make the block a root of its own, and the stage's
     next forward stop ("FSDP state has already been lazily initialized")."""
     fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.unshard()
+    for unit in _units(module):
+        unit.unshard()
 
 
 def fsdp_rest(module: nn.Module) -> None:
@@ -95,9 +94,13 @@ def fsdp_rest(module: nn.Module) -> None:
     the sharded parameters: ``named_parameters()`` showed tensors without the step's
     gradients, and the next step computed with the values gathered before the optimizer's
     update; until the 23rd session, 2026-12-03)."""
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
+    for unit in _units(module):
+        unit.reshard()
+
+
+def _units(module: nn.Module) -> list[FSDPModule]:
+    """The FSDP2 modules in ``module`` (its blocks' and its own), in module order."""
+    return [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
 
 
 def _param_groups(st: Any) -> list[Any]:
@@ -120,9 +123,7 @@ def lend_param(
     modules of one unit share), so both uses accumulate into one unsharded gradient and one
     reduce-scatter shards it. Returns the FSDP2 module whose unit holds it: gather it
     (``unshard()``) before a borrower runs. FSDP2 offers no public call for this."""
-    for unit in owner.modules():
-        if not isinstance(unit, FSDPModule):
-            continue
+    for unit in _units(owner):
         state: Any = fully_shard.state(unit)  # type: ignore[attr-defined]
         for group in _param_groups(state):
             for fsdp_param in group.fsdp_params:

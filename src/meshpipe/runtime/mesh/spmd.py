@@ -192,9 +192,12 @@ class Spmd:
         """A parameter held by two stages of one rank (tied embeddings on a V schedule's first
         and last stage) is one tensor there. Each stage's own dp reduction (DDP-style
         replicas, FSDP2) would reduce it once per stage, or shard each stage's copy apart:
-        wrong gradients (until 2026-12-03). So it stays out of them, whole on every replica,
-        and is summed over dp once at the step's end. FSDP2's mixed precision cannot cast
-        what it does not hold: refused on every rank alike."""
+        wrong gradients (until 2026-12-03). FSDP2 on one mesh: the first stage holding it
+        shards it and lends it to the others (``_borrowed``, ``_borrow``). Otherwise
+        (DDP-style replicas; FSDP2 on stage meshes, where the copies are also summed whole
+        across meshes) it stays out of the stages' reductions, whole on every replica, and
+        is summed over dp once at the step's end; FSDP2's mixed precision cannot cast what
+        it does not hold: refused then, on every rank alike."""
         # stage meshes: the mode as given, the same on every process (self.dp is per mesh)
         mode = self._dp_mode if self.topo.layout.stage_meshes else self.dp
         if mode not in ("ddp", *SHARDED):
