@@ -10,6 +10,8 @@
     .venv/bin/python scripts/check_hf_models.py --stage-meshes '[{"dp": 2}, {"tp": 2}]'
     .venv/bin/python scripts/check_hf_models.py --pp 4 --schedule zbv  # 8 stages, 8 layers
     .venv/bin/python scripts/check_hf_models.py --accumulate --adamw --rows 10
+    .venv/bin/python scripts/check_hf_models.py --adamw --resume '{"schedule": "zbv"}'
+    .venv/bin/python scripts/check_hf_models.py --dp 2 --dp-mode fsdp --resume one
 
 Each model is built from a small config with random weights (no download), split by name
 at its decoder layers (4, or one per stage where there are more stages), and trained for
@@ -20,7 +22,11 @@ the batch, the first under ``no_sync()``, both with ``grad_scale=0.5``; ``--adam
 (eps 1e-2, so a near-zero gradient's float noise is not blown up) after
 ``clip_grad_norm_(0.5)`` instead of plain SGD, the norm and the updated parameters compared
 too; ``--eval-between``: ``eval_step`` on the batch after each step, before the update (its
-loss compared too).
+loss compared too); ``--resume``: the first step's parameters and optimizer state are saved
+with ``meshpipe.checkpoint.save`` after its update and loaded into another layout (same
+number of processes and cp) or into the unsplit model in each process (``one``), built from
+other random weights, which runs the second step (the parameters compared right after the
+load and after each update).
 
 Printed per model: |loss gap| (and the norm's relative gap) and the worst gradient (and
 parameter) gap over both steps and all processes (DTensors compared whole), on zero-bubble
@@ -35,11 +41,14 @@ hand (minutes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +57,7 @@ import torch
 import meshpipe
 from meshpipe.testing import run_on_ranks, weight_work
 
+ONE = "one"  # --resume one: the second step in the unsplit model, in each process alone
 SMALL = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 64}
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 ATOL = 1e-5
@@ -124,7 +134,7 @@ MODELS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def _grad_gap(pipe: meshpipe.Pipeline, ref: torch.nn.Module) -> float:
+def _grad_gap(pipe: Any, ref: torch.nn.Module) -> float:
     """The worst gap between the pipeline's gradients and one process's (a tied head's
     gradient under its own name compared with the parameter it is tied to)."""
     refs = dict(ref.named_parameters(remove_duplicate=False))
@@ -154,6 +164,10 @@ class Scenario:
     eval_between: bool = False  # eval_step after each step, before the update
     rows: int = 8
     options: dict[str, Any] = field(default_factory=dict)  # more Pipeline arguments
+    # the second step's layout (schedule ONE: the unsplit model in each process), loaded from a
+    # checkpoint of the first step saved under resume_dir
+    resume: Scenario | None = None
+    resume_dir: str = ""
 
     @property
     def world(self) -> int:
@@ -166,8 +180,8 @@ class Scenario:
         return self.tp > 1 or any(shape.get("tp", 1) > 1 for shape in self.stage_meshes)
 
 
-def _model(name: str, num_layers: int) -> tuple[torch.nn.Module, str, bool]:
-    """(model with random weights, its decoder layers' path, causal?)"""
+def _model(name: str, num_layers: int, seed: int = 0) -> tuple[torch.nn.Module, str, bool]:
+    """(model with random weights drawn from ``seed``, its decoder layers' path, causal?)"""
     import transformers
 
     cfg_name, model_name, layers, overrides = MODELS[name]
@@ -176,7 +190,7 @@ def _model(name: str, num_layers: int) -> tuple[torch.nn.Module, str, bool]:
         if key in kwargs:
             kwargs[key] = num_layers
     cfg = getattr(transformers, cfg_name)(**kwargs)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).train()
     return model, layers, "Masked" not in model_name
 
@@ -190,21 +204,23 @@ def _replica_rows(sc: Scenario, mesh: Any, rows: int) -> slice:
     return slice(int(part[0]), int(part[-1]) + 1)
 
 
-def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
-    """Two training steps of ``name`` through a Pipeline against one process: per step,
-    |loss gap| and the worst gradient gap (with AdamW also the clipped norm's gap, and the
-    parameters' after the update)."""
-    num_stages = meshpipe.get_schedule(sc.schedule, sc.pp, 4).num_stages
-    num_layers = max(4, num_stages)
-    model, layers, causal = _model(name, num_layers)
-    ref = copy.deepcopy(model)
-    if sc.stage_meshes:
-        mesh: Any = meshpipe.init_stage_meshes(list(sc.stage_meshes))
-    else:
-        mesh = meshpipe.init_mesh(
-            pp=sc.pp, dp_replicate=sc.dp_replicate, dp=sc.dp, cp=sc.cp, tp=sc.tp, ep=sc.ep
-        )
-    points = [f"{layers}.{k * num_layers // num_stages}" for k in range(1, num_stages)]
+@dataclass
+class _Data:
+    """One batch of a sweep (the same for every step), and what runs it through a model."""
+
+    ids: torch.Tensor  # (rows, seq)
+    mask: torch.Tensor  # (rows, seq), 0 where left padding
+    target: torch.Tensor
+    loss_fn: Any
+    kw: dict[str, torch.Tensor]  # the attention mask, unless cp cuts the sequence
+
+    def ref_loss(self, model: torch.nn.Module, part: slice) -> torch.Tensor:
+        kw = {k: v[part] for k, v in self.kw.items()}
+        total, count = self.loss_fn(model(input_ids=self.ids[part], **kw), self.target[part])
+        return total / count  # type: ignore[no-any-return]
+
+
+def _data(sc: Scenario, causal: bool) -> _Data:
     torch.manual_seed(1)
     ids = torch.randint(1, 64, (sc.rows, 12))  # (batch, seq)
     mask = torch.ones_like(ids)
@@ -216,25 +232,114 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
     if sc.cp > 1 and causal:  # cp cuts the sequence: shift over the whole sequence first
         target = torch.cat([target[:, 1:], torch.full_like(target[:, :1], -100)], dim=1)
         shift = False
-    loss_fn = meshpipe.token_cross_entropy(shift=shift)
+    kw = {} if sc.cp > 1 else {"attention_mask": mask}
+    return _Data(ids, mask, target, meshpipe.token_cross_entropy(shift=shift), kw)
+
+
+def _num_stages(sc: Scenario) -> int:
+    return meshpipe.get_schedule(sc.schedule, sc.pp, 4).num_stages
+
+
+def _pipeline(
+    sc: Scenario, model: torch.nn.Module, layers: str, num_layers: int, data: _Data,
+    split_now: bool = False,
+) -> tuple[meshpipe.Pipeline, Any]:  # fmt: skip
+    """``model`` split at its decoder layers into a Pipeline of ``sc``'s layout (at once
+    with ``split_now``, from example inputs: a checkpoint loads into its parameters)."""
+    if sc.stage_meshes:
+        mesh: Any = meshpipe.init_stage_meshes(list(sc.stage_meshes))
+    else:
+        mesh = meshpipe.init_mesh(
+            pp=sc.pp, dp_replicate=sc.dp_replicate, dp=sc.dp, cp=sc.cp, tp=sc.tp, ep=sc.ep
+        )
+    num_stages = _num_stages(sc)
+    points = [f"{layers}.{k * num_layers // num_stages}" for k in range(1, num_stages)]
     extra: dict[str, Any] = {"ep_plan": "auto"} if sc.ep > 1 else {}
+    if split_now:
+        extra["example_args"] = (data.ids[:4],)
+        extra["example_kwargs"] = {k: v[:4] for k, v in data.kw.items()}
     pipe = meshpipe.Pipeline(
-        model, mesh, sc.schedule, 4, loss_fn=loss_fn, split_points=points,
+        model, mesh, sc.schedule, 4, loss_fn=data.loss_fn, split_points=points,
         tp_plan="auto" if sc.tp_plan else None, timeout=120, **extra, **sc.options,
     )  # fmt: skip
-    kw: dict[str, Any] = {} if sc.cp > 1 else {"attention_mask": mask}
+    return pipe, mesh
 
-    def ref_loss(part: slice) -> torch.Tensor:
-        extra_kw = {} if sc.cp > 1 else {"attention_mask": mask[part]}
-        total, count = loss_fn(ref(input_ids=ids[part], **extra_kw), target[part])
-        return total / count
+
+class _Alone:
+    """An unsplit model in this process alone, with the few Pipeline calls a sweep makes:
+    where ``--resume one`` continues after loading the checkpoint."""
+
+    def __init__(self, model: torch.nn.Module, data: _Data) -> None:
+        self.model, self.data = model, data
+
+    def step(self, ids: torch.Tensor, *, target: torch.Tensor, grad_scale: float | None,
+             **kw: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        total, count = self.data.loss_fn(self.model(input_ids=ids, **kw), target)
+        loss = total / count
+        (loss * (grad_scale or 1.0)).backward()
+        return loss.detach()
+
+    def eval_step(self, ids: torch.Tensor, *, target: torch.Tensor, **kw: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return self.step(ids, target=target, grad_scale=0.0, **kw)
+
+    def no_sync(self) -> Any:
+        return contextlib.nullcontext()
+
+    def named_parameters(self) -> Any:
+        return self.model.named_parameters()
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+def _resume(
+    name: str, sc: Scenario, pipe: meshpipe.Pipeline, opt: torch.optim.Optimizer,
+    data: _Data, num_layers: int, lr: dict[str, float],
+) -> tuple[Any, Scenario, Any, torch.optim.Optimizer]:  # fmt: skip
+    """Save ``pipe`` and ``opt`` after the first step; load them into ``sc.resume``'s
+    layout built from other random weights (so that a load which leaves anything out shows
+    as a gap); return (runner, its scenario, its mesh, its optimizer)."""
+    from meshpipe import checkpoint as ck
+
+    assert sc.resume is not None  # the caller checked
+    path = f"{sc.resume_dir}/{name}"
+    ck.save(pipe, path, optimizer=opt)
+    fresh, layers, _ = _model(name, num_layers, seed=7)
+    runner: Any
+    if sc.resume.schedule == ONE:
+        runner, mesh = _Alone(fresh, data), None
+    else:
+        runner, mesh = _pipeline(sc.resume, fresh, layers, num_layers, data, split_now=True)
+    new_opt = type(opt)(runner.parameters(), **lr)
+    ck.load(runner.model if isinstance(runner, _Alone) else runner, path, optimizer=new_opt)
+    return runner, sc.resume, mesh, new_opt
+
+
+def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
+    """Two training steps of ``name`` through a Pipeline against one process: per step,
+    |loss gap| and the worst gradient gap (with AdamW also the clipped norm's gap, and the
+    parameters' after the update). With ``sc.resume`` the second step runs in another
+    layout (or one process alone) that loaded a checkpoint saved after the first update;
+    the parameters' gap right after that load counts in the second step's."""
+    layouts = [sc] + ([sc.resume] if sc.resume is not None and sc.resume.schedule != ONE else [])
+    num_layers = max(4, *(_num_stages(s) for s in layouts))
+    model, layers, causal = _model(name, num_layers)
+    ref = copy.deepcopy(model)
+    data = _data(sc, causal)
+    runner: Any
+    runner, mesh = _pipeline(sc, model, layers, num_layers, data)
+    now = sc  # the layout running the current step
 
     def run_pipe(part: slice, scale: float | None) -> float:
         """One pipeline step on global rows ``part`` (this replica's share of them)."""
-        local = _replica_rows(sc, mesh, part.stop - part.start)
+        local = _replica_rows(now, mesh, part.stop - part.start)
         sub = slice(part.start + (local.start or 0), part.start + (local.stop or part.stop))
-        args = {k: v[sub] for k, v in kw.items()}
-        return float(pipe.step(ids[sub], target=target[sub], grad_scale=scale, **args))
+        args = {k: v[sub] for k, v in data.kw.items()}
+        return float(runner.step(data.ids[sub], target=data.target[sub], grad_scale=scale, **args))
 
     gaps: list[tuple[float, float]] = []
     opt_cls = torch.optim.AdamW if sc.adamw else torch.optim.SGD
@@ -245,46 +350,51 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
     pipe_opt: torch.optim.Optimizer | None = None
     whole = slice(0, sc.rows)
     halves = [slice(0, sc.rows // 2), slice(sc.rows // 2, sc.rows)]
-    for _ in range(2):
-        if sc.accumulate:
-            with pipe.no_sync():
+    for step in range(2):
+        loaded_gap = 0.0
+        if step == 1 and sc.resume is not None:
+            assert pipe_opt is not None
+            runner, now, mesh, pipe_opt = _resume(name, sc, runner, pipe_opt, data, num_layers, LR)
+            loaded_gap = _param_gap(runner, ref)
+        if now.accumulate:
+            with runner.no_sync():
                 loss = 0.5 * run_pipe(halves[0], 0.5)
             loss += 0.5 * run_pipe(halves[1], 0.5)
-            expected = sum(0.5 * ref_loss(h).detach() for h in halves)
+            expected = sum(0.5 * data.ref_loss(ref, h).detach() for h in halves)
             for h in halves:
-                (0.5 * ref_loss(h)).backward()
+                (0.5 * data.ref_loss(ref, h)).backward()
         else:
             loss = run_pipe(whole, None)
-            expected_t = ref_loss(whole)
+            expected_t = data.ref_loss(ref, whole)
             expected_t.backward()
             expected = expected_t.detach()
-        if sc.eval_between:  # the loss of the same batch, parameters and gradients untouched
-            local = _replica_rows(sc, mesh, sc.rows)
-            args = {k: v[local] for k, v in kw.items()}
-            seen = float(pipe.eval_step(ids[local], target=target[local], **args))
+        if now.eval_between:  # the loss of the same batch, parameters and gradients untouched
+            local = _replica_rows(now, mesh, sc.rows)
+            args = {k: v[local] for k, v in data.kw.items()}
+            seen = float(runner.eval_step(data.ids[local], target=data.target[local], **args))
             with torch.no_grad():
-                loss_gap_eval = abs(seen - float(ref_loss(whole)))
+                loss_gap_eval = abs(seen - float(data.ref_loss(ref, whole)))
         if pipe_opt is None:  # the pipeline's parameters exist once it is split
-            pipe_opt = opt_cls(pipe.parameters(), **LR)
-        gap = _grad_gap(pipe, ref)
+            pipe_opt = opt_cls(runner.parameters(), **LR)
+        gap = max(loaded_gap, _grad_gap(runner, ref))
         loss_gap = abs(loss - float(expected))
-        if sc.eval_between:
+        if now.eval_between:
             loss_gap = max(loss_gap, loss_gap_eval)
         if sc.adamw:
-            norm = float(pipe.clip_grad_norm_(0.5))
+            norm = float(runner.clip_grad_norm_(0.5))
             ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
             loss_gap = max(loss_gap, abs(norm - ref_norm) / max(ref_norm, 1.0))
-            gap = max(gap, _grad_gap(pipe, ref))
+            gap = max(gap, _grad_gap(runner, ref))
         for opt in (ref_opt, pipe_opt):
             opt.step()
             opt.zero_grad()
-        if sc.adamw:
-            gap = max(gap, _param_gap(pipe, ref))
+        if sc.adamw or sc.resume is not None:
+            gap = max(gap, _param_gap(runner, ref))
         gaps.append((loss_gap, gap))
     return gaps
 
 
-def _param_gap(pipe: meshpipe.Pipeline, ref: torch.nn.Module) -> float:
+def _param_gap(pipe: Any, ref: torch.nn.Module) -> float:
     refs = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
     for name, p in pipe.named_parameters():
@@ -333,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=8, help="batch rows (uneven microbatches: 7)")
     ap.add_argument("--checkpointing", action="store_true", help='activation_checkpointing="full"')
     ap.add_argument("--compile", action="store_true", help="compile=True (minutes per model)")
+    ap.add_argument(
+        "--resume", help="the second step in another layout, loaded from a checkpoint of the "
+        'first: "one" (the unsplit model) or JSON, e.g. \'{"schedule": "zbv", "dp_mode": "fsdp"}\'',
+    )  # fmt: skip
     args = ap.parse_args(argv)
     options: dict[str, Any] = {}
     if args.dp_mode:
@@ -348,11 +462,16 @@ def main(argv: list[str] | None = None) -> int:
         accumulate=args.accumulate, adamw=args.adamw, eval_between=args.eval_between,
         rows=args.rows, options=options,
     )  # fmt: skip
+    if args.resume:
+        sc = _with_resume(ap, sc, args.resume)
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
-    results = run_on_ranks(_worker, sc.world, names, sc, timeout=3600)
+    with tempfile.TemporaryDirectory() as tmp:
+        if sc.resume is not None:
+            sc = dataclasses.replace(sc, resume_dir=tmp)
+        results = run_on_ranks(_worker, sc.world, names, sc, timeout=3600)
     bad = skipped = 0
     for name in names:
         per_rank = [r[name] for r in results]
@@ -373,8 +492,34 @@ def main(argv: list[str] | None = None) -> int:
             shown += _where([r[f"{name} where"] for r in results])
         print(f"{'ok  ' if ok else 'FAIL'} {name:10s} {shown}", flush=True)
     checked = len(names) - skipped
-    print(f"{checked - bad} of {checked} match one process ({sc})")
+    print(
+        f"{checked - bad} of {checked} match one process ({dataclasses.replace(sc, resume_dir='')})"
+    )
     return 1 if bad else 0
+
+
+def _with_resume(ap: argparse.ArgumentParser, sc: Scenario, text: str) -> Scenario:
+    """``sc`` with ``--resume``'s layout: the same loop (optimizer, accumulation, rows), on
+    the same number of processes, with the same cp (the batch is cut the same way)."""
+    if text == ONE:
+        layout = {"schedule": ONE, "pp": 1, "tp": 1, "dp": 1, "dp_replicate": 1, "ep": 1}
+        return dataclasses.replace(
+            sc, resume=dataclasses.replace(sc, **layout, stage_meshes=(), options={})
+        )
+    fields = json.loads(text)
+    known = {"schedule", "pp", "tp", "dp", "dp_replicate", "ep", "stage_meshes", "dp_mode"}
+    if not isinstance(fields, dict) or set(fields) - known:
+        ap.error(f"--resume: 'one' or a JSON object of {sorted(known)}, got {text!r}")
+    options = {k: v for k, v in sc.options.items() if k != "dp"}
+    if fields.get("dp_mode"):
+        options["dp"] = fields.pop("dp_mode")
+    fields.pop("dp_mode", None)
+    meshes = tuple(fields.pop("stage_meshes", ()))
+    layout = {"pp": len(meshes)} if meshes else {}
+    other = dataclasses.replace(sc, **{**fields, **layout}, stage_meshes=meshes, options=options)
+    if other.world != sc.world:
+        ap.error(f"--resume: {other.world} processes, but the first layout runs on {sc.world}")
+    return dataclasses.replace(sc, resume=other)
 
 
 # refusals that name a combination meshpipe does not build for that model (skipped, not

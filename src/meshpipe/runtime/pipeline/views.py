@@ -50,7 +50,9 @@ class PipelineViews:
         if self._whole is not None and self._whole.pending:
             raise PipelineError(
                 "the model is split on the first step()/forward() (tracing needs its inputs); "
-                "ask for parameters (e.g. to build the optimizer) after that call"
+                "ask for parameters (e.g. to build the optimizer, or to load a checkpoint) "
+                "after that call, or pass example_args= (and example_kwargs=) to Pipeline to "
+                "split it at construction"
             )
         seen: set[int] = set()
         found: list[tuple[str, nn.Parameter]] = []
