@@ -12,24 +12,26 @@
     .venv/bin/python scripts/check_hf_models.py --accumulate --adamw --rows 10
     .venv/bin/python scripts/check_hf_models.py --adamw --resume '{"schedule": "zbv"}'
     .venv/bin/python scripts/check_hf_models.py --dp 2 --dp-mode fsdp --resume one
+    .venv/bin/python scripts/check_hf_models.py --schedule zbv --steps 3 --seqs 12,4,20
 
-Each model is built from a small config with random weights (no download), split by name
-at its decoder layers (4, or one per stage where there are more stages), and trained for
-two steps on left-padded rows with ``meshpipe.token_cross_entropy`` (``shift=True`` for
-causal models; with cp, no padding and the target shifted over the whole sequence); a
-deep copy runs the same steps in one process. ``--accumulate``: each step is two halves of
-the batch, the first under ``no_sync()``, both with ``grad_scale=0.5``; ``--adamw``: AdamW
-(eps 1e-2, so a near-zero gradient's float noise is not blown up) after
+Each model is built from a small config with random weights (no download), split by name at
+its decoder layers (4, or one per stage where there are more stages), and trained for two
+steps (``--steps``) on left-padded rows with ``meshpipe.token_cross_entropy``
+(``shift=True`` for causal models; with cp, no padding and the target shifted over the whole
+sequence); a deep copy runs the same steps in one process. ``--accumulate``: each step is
+two halves of the batch, the first under ``no_sync()``, both with ``grad_scale=0.5``;
+``--adamw``: AdamW (eps 1e-2, so a near-zero gradient's float noise is not blown up) after
 ``clip_grad_norm_(0.5)`` instead of plain SGD, the norm and the updated parameters compared
 too; ``--eval-between``: ``eval_step`` on the batch after each step, before the update (its
 loss compared too); ``--resume``: the first step's parameters and optimizer state are saved
 with ``meshpipe.checkpoint.save`` after its update and loaded into another layout (same
 number of processes and cp) or into the unsplit model in each process (``one``), built from
 other random weights, which runs the second step (the parameters compared right after the
-load and after each update).
+load and after each update); ``--steps``/``--seqs``: more steps, with the sequence length
+changing from step to step (traced stages whose graphs depend on it, masks, caches).
 
 Printed per model: |loss gap| (and the norm's relative gap) and the worst gradient (and
-parameter) gap over both steps and all processes (DTensors compared whole), on zero-bubble
+parameter) gap over every step and all processes (DTensors compared whole), on zero-bubble
 schedules how many W actions set weight gradients and how many I actions did (none when
 the split works; ``meshpipe.testing.weight_work``), or the error raised. Models refused
 for a combination meshpipe does not build for them (no tp or ep plan declared, attention
@@ -163,6 +165,8 @@ class Scenario:
     adamw: bool = False  # AdamW with clip_grad_norm_(0.5) instead of plain SGD
     eval_between: bool = False  # eval_step after each step, before the update
     rows: int = 8
+    steps: int = 2
+    seqs: tuple[int, ...] = (12,)  # step k's sequence length: seqs[k % len(seqs)]
     options: dict[str, Any] = field(default_factory=dict)  # more Pipeline arguments
     # the second step's layout (schedule ONE: the unsplit model in each process), loaded from a
     # checkpoint of the first step saved under resume_dir
@@ -220,13 +224,13 @@ class _Data:
         return total / count  # type: ignore[no-any-return]
 
 
-def _data(sc: Scenario, causal: bool) -> _Data:
-    torch.manual_seed(1)
-    ids = torch.randint(1, 64, (sc.rows, 12))  # (batch, seq)
+def _data(sc: Scenario, causal: bool, seq: int = 12, seed: int = 1) -> _Data:
+    torch.manual_seed(seed)
+    ids = torch.randint(1, 64, (sc.rows, seq))  # (batch, seq)
     mask = torch.ones_like(ids)
     if sc.cp == 1:
-        for row in range(sc.rows):
-            mask[row, : row % 4] = 0  # left padding: 0 - 3 tokens, unevenly per microbatch
+        for row in range(sc.rows):  # left padding: 0 - 3 tokens (at most half the row),
+            mask[row, : row % min(4, seq // 2 + 1)] = 0  # unevenly per microbatch
     target = ids.masked_fill(mask == 0, -100)
     shift = causal
     if sc.cp > 1 and causal:  # cp cuts the sequence: shift over the whole sequence first
@@ -329,7 +333,8 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
     num_layers = max(4, *(_num_stages(s) for s in layouts))
     model, layers, causal = _model(name, num_layers)
     ref = copy.deepcopy(model)
-    data = _data(sc, causal)
+    batches = [_data(sc, causal, seq, seed=1 + k) for k, seq in enumerate(sc.seqs)]
+    data = batches[0]
     runner: Any
     runner, mesh = _pipeline(sc, model, layers, num_layers, data)
     now = sc  # the layout running the current step
@@ -350,7 +355,8 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
     pipe_opt: torch.optim.Optimizer | None = None
     whole = slice(0, sc.rows)
     halves = [slice(0, sc.rows // 2), slice(sc.rows // 2, sc.rows)]
-    for step in range(2):
+    for step in range(sc.steps):
+        data = batches[step % len(batches)]
         loaded_gap = 0.0
         if step == 1 and sc.resume is not None:
             assert pipe_opt is not None
@@ -441,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adamw", action="store_true", help="AdamW + clip_grad_norm_(0.5)")
     ap.add_argument("--eval-between", action="store_true", help="eval_step before updates")
     ap.add_argument("--rows", type=int, default=8, help="batch rows (uneven microbatches: 7)")
+    ap.add_argument("--steps", type=int, default=2, help="training steps (the second resumes)")
+    ap.add_argument("--seqs", default="12", help="sequence length per step, cycled: 12,4,20")
     ap.add_argument("--checkpointing", action="store_true", help='activation_checkpointing="full"')
     ap.add_argument("--compile", action="store_true", help="compile=True (minutes per model)")
     ap.add_argument(
@@ -460,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         schedule=args.schedule, pp=len(meshes) or args.pp, tp=args.tp, dp=args.dp,
         dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep, stage_meshes=meshes,
         accumulate=args.accumulate, adamw=args.adamw, eval_between=args.eval_between,
-        rows=args.rows, options=options,
+        rows=args.rows, steps=args.steps, seqs=tuple(int(n) for n in args.seqs.split(",")),
+        options=options,
     )  # fmt: skip
     if args.resume:
         sc = _with_resume(ap, sc, args.resume)
@@ -488,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             loss = max(a for r in per_rank for a, _ in r)
             grad = max(b for r in per_rank for _, b in r)
-            shown = f"loss gap {loss:.1e}, gradient gap {grad:.1e} (worst of 2 steps, all ranks)"
+            shown = f"loss gap {loss:.1e}, gradient gap {grad:.1e}"
+            shown += f" (worst of {sc.steps} steps, all ranks)"
             shown += _where([r[f"{name} where"] for r in results])
         print(f"{'ok  ' if ok else 'FAIL'} {name:10s} {shown}", flush=True)
     checked = len(names) - skipped
