@@ -324,6 +324,28 @@ def tiny():
                           nn.Linear(16, 300))
     x, y = torch.randint(0, 300, (8, 4)), torch.randint(0, 300, (8, 4))
     return model, x, y, lambda o, t: nn.functional.cross_entropy(o.flatten(0, 1), t.flatten())
+
+
+class Keywords(nn.Module):  # called as a Hugging Face model is: by keyword
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(300, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 300)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids) * attention_mask.unsqueeze(-1)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def keywords():
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 300, (8, 4)), torch.randint(0, 300, (8, 4))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(8, 4)}
+    loss = lambda o, t: nn.functional.cross_entropy(o.flatten(0, 1), t.flatten())  # noqa: E731
+    return Keywords(), inputs, y, loss
 """
 
 
@@ -349,3 +371,10 @@ def test_cli_plan_prints_writes_json_and_png(
     assert png.read_bytes().startswith(b"\x89PNG")
     assert main(["plan", f"{factory}:nothing", "--world-size", "2"]) == 2
     assert "has no function 'nothing'" in capsys.readouterr().err
+    # keyword inputs (a dict), as a Hugging Face model takes them
+    kw = ["plan", f"{factory}:keywords", "--world-size", "2", "--png", "", "--out", str(out)]
+    assert main([*kw, "--schedules", "1f1b", "--fsdp"]) == 0
+    assert Plan.load(str(out)).batch_size == 8
+    # tp_plan="auto" needs a model that declares a plan: refused before any profiling
+    assert main([*kw, "--tp-plan", "auto"]) == 2
+    assert "Keywords declares no tensor-parallel plan" in capsys.readouterr().err

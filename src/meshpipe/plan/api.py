@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,6 +27,22 @@ def _check_int(name: str, value: object, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise PlanError(f"{name} must be an int >= {low}, got {value!r}")
     return value
+
+
+def _check_tp_plan(model: nn.Module, tp_plan: Any) -> None:
+    """A tp plan Pipeline will take: a mapping, or "auto" for a model that declares one
+    (checked now, not after a search whose tp layouts ``from_plan`` would then refuse)."""
+    if tp_plan is None or isinstance(tp_plan, Mapping):
+        return
+    if tp_plan != "auto":
+        raise PlanError(f"tp_plan must be None, 'auto' or a mapping, got {tp_plan!r}")
+    from meshpipe.errors import PipelineError
+    from meshpipe.parallel.hf_plan import auto_tp_plan
+
+    try:
+        auto_tp_plan(model)
+    except PipelineError as e:
+        raise PlanError(f"tp_plan='auto': {e}") from e
 
 
 def plan(
@@ -115,6 +132,7 @@ def plan(
             f"step_overhead={step_overhead!r}, dp_latency={dp_latency!r}, "
             f"tp_efficiency={tp_efficiency!r}"
         )
+    _check_tp_plan(model, tp_plan)
     if profile is None:
         args = tuple(example_args) if isinstance(example_args, list | tuple) else (example_args,)
         kwargs = dict(example_kwargs or {})
@@ -158,6 +176,11 @@ def plan(
         profile = calibrated_profile(profile, cal, settings)
     divisors = [t for t in range(1, world_size + 1) if world_size % t == 0]
     tp_degrees = [1] if tp_plan is None else divisors
-    return search(
+    found = search(
         profile, settings, schedules, tp_degrees, stage_meshes, max_microbatches, num_runners_up
     )
+    if tp_plan != "auto":
+        return found
+    # recorded, so that from_plan builds a tp layout with the model's own plan
+    runners_up = tuple(replace(p, tp_plan="auto") for p in found.runners_up)
+    return replace(found, tp_plan="auto", runners_up=runners_up)

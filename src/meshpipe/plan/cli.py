@@ -1,8 +1,9 @@
 """``meshpipe plan MODULE:FACTORY --world-size 8 --memory 16GiB``: plan, print, save, draw.
 
 The factory (a function of no arguments in an importable module or a ``.py`` file) returns
-``(model, example_inputs, target, loss_fn)``; ``example_inputs`` is one tensor or a tuple
-of positional inputs. Imports torch only when run.
+``(model, example_inputs, target, loss_fn)``; ``example_inputs`` is one tensor, a tuple of
+positional inputs, or a dict of keyword inputs (a Hugging Face model's ``input_ids`` and
+``attention_mask``). Imports torch only when run.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", type=parse_bytes, default=None, help="cap per process, e.g. 16GiB")
     p.add_argument("--schedules", default=None, help="comma-separated schedule names (all)")
     p.add_argument("--stage-meshes", action="store_true", help="also try unequal dp per rank")
+    p.add_argument(
+        "--tp-plan", choices=("auto",), default=None,
+        help="also try tensor parallelism, with the model's own plan (tp_plan='auto')",
+    )  # fmt: skip
+    p.add_argument("--fsdp", action="store_true", help="dp replicas shard with FSDP2")
     p.add_argument("--max-microbatches", type=int, default=64)
     p.add_argument("--out", default="plan.json", help="where to write the plan (plan.json)")
     p.add_argument("--png", default="plan.png", help="picture of the chosen timeline ('' none)")
@@ -85,20 +91,26 @@ def run(args: argparse.Namespace) -> int:
     if not (isinstance(made, tuple) and len(made) == 4):
         raise ValueError(f"{args.factory} must return (model, example_inputs, target, loss_fn)")
     model, inputs, target, loss_fn = made
+    if isinstance(inputs, dict):  # keyword inputs
+        positional, keywords = (), inputs
+    else:
+        positional, keywords = (inputs if isinstance(inputs, tuple) else (inputs,)), {}
     schedules = {} if args.schedules is None else {"schedules": args.schedules.split(",")}
     if args.measure_machine or args.measure_p2p:
         what = "the machine" if args.measure_machine else "the p2p link"
         print(f"measuring {what} with local processes (a few seconds) ...", flush=True)
     plan = make_plan(
-        model, inputs if isinstance(inputs, tuple) else (inputs,), target, loss_fn,
-        world_size=args.world_size, memory_per_rank=args.memory,
-        stage_meshes=args.stage_meshes, max_microbatches=args.max_microbatches,
+        model, positional, target, loss_fn, example_kwargs=keywords,
+        world_size=args.world_size, memory_per_rank=args.memory, tp_plan=args.tp_plan,
+        fsdp=args.fsdp, stage_meshes=args.stage_meshes, max_microbatches=args.max_microbatches,
         measure_p2p=args.measure_p2p, measure_machine=args.measure_machine, **schedules,
     )  # fmt: skip
     print(plan)
     print("split points: " + (", ".join(plan.split_points) or "none"))
     figures = ", ".join(f"{k} {v:.3g}" for k, v in plan.assumptions.items())
     print(f"machine figures assumed: {figures}")
+    if plan.tp > 1:
+        print("tp > 1: Pipeline.from_plan(plan, model, loss_fn=..., tp_plan='auto') builds it")
     plan.save(args.out)
     print(f"wrote {args.out}")
     if args.png:

@@ -56,6 +56,7 @@ class Plan:
     memory: tuple[int, ...]
     stage_meshes: tuple[dict[str, int], ...] | None = None
     dp_mode: str | None = None
+    tp_plan: str | None = None  # "auto": from_plan passes tp_plan="auto" where tp > 1
     memory_per_rank: int | None = None
     fits: bool = True
     stage_costs: tuple[tuple[float, float, float], ...] = ()
@@ -260,6 +261,11 @@ def _check(p: Plan) -> None:
         raise PlanError(f"plan step_time must be a finite number, got {p.step_time!r}")
     if p.dp_mode not in (None, "ddp", "fsdp", "hsdp"):
         raise PlanError(f"plan dp_mode must be None, 'ddp', 'fsdp' or 'hsdp', got {p.dp_mode!r}")
+    if p.tp_plan not in (None, "auto"):
+        raise PlanError(
+            f"plan tp_plan must be None or 'auto' (a mapping of styles is not JSON: pass it "
+            f"to Pipeline.from_plan), got {p.tp_plan!r}"
+        )
 
 
 def _check_meshes(p: Plan) -> None:

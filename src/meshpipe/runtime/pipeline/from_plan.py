@@ -29,8 +29,8 @@ def plan_fields(plan: Any) -> dict[str, Any]:
     elif isinstance(plan, Mapping):
         data = dict(plan)
     else:
-        data = {name: getattr(plan, name) for name in (*FIELDS, "stage_meshes", "dp_mode")
-                if hasattr(plan, name)}  # fmt: skip
+        names = (*FIELDS, "stage_meshes", "dp_mode", "tp_plan")
+        data = {name: getattr(plan, name) for name in names if hasattr(plan, name)}
     missing = [name for name in FIELDS if name not in data]
     if missing:
         raise PipelineError(
@@ -86,6 +86,9 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
         "activation_checkpointing": _checkpointing(data["activation_checkpointing"], num_stages),
     }
     kwargs["dp"] = data.get("dp_mode")  # stage meshes too: a hand-set mode is run as set
+    meshes_tp = any(int(m.get("tp", 1)) > 1 for m in data.get("stage_meshes") or ())
+    if data.get("tp_plan") is not None and (int(data["tp"]) > 1 or meshes_tp):
+        kwargs["tp_plan"] = data["tp_plan"]  # "auto": the model's own plan
     # one mesh per layout in a process, whatever the number of plans run (meshpipe/groups.py)
     if meshes is not None:
         specs = [dict(m) for m in meshes]

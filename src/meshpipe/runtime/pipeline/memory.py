@@ -16,10 +16,20 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshpipe.runtime.step import slim
 
 __all__ = ["SavedLedger", "memory_stats"]
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage that holds ``t``'s bytes in this process: a DTensor's (tensor or
+    FSDP2 parallel) is its local shard's (the wrapper has no storage of its own)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            t = t.to_local()
+    return t.untyped_storage()
 
 
 class _Held:
@@ -40,11 +50,11 @@ class SavedLedger:
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages never counted (parameters: saved views of them hold no new memory)."""
-        self._params = {t.untyped_storage().data_ptr() for t in tensors}
+        self._params = {_storage(t).data_ptr() for t in tensors}
 
     def observe(self, t: torch.Tensor) -> None:
         """Count ``t`` until the Python object ``t`` dies (held by autograd or a box)."""
-        storage = t.untyped_storage()
+        storage = _storage(t)
         key = storage.data_ptr()
         if key in self._params or storage.nbytes() == 0:
             return
@@ -86,9 +96,12 @@ def _bytes(tensors: Iterable[Any]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = _storage(t)
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 
