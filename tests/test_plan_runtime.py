@@ -48,15 +48,18 @@ def _case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, x, torch.randint(0, VOCAB, (16, 8), generator=g)
 
 
-def _parity(data: dict[str, Any], fsdp: list[bool] | None = None) -> float:
+def _parity(data: dict[str, Any], fsdp: list[Any] | None = None) -> float:
     """One from_plan step against one process: the largest loss or gradient difference
-    (``fsdp``: appended, whether a stage of this process is sharded by FSDP2)."""
+    (``fsdp``: appended, whether a stage of this process is sharded by FSDP2, and the step's
+    memory_stats())."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     model, x, y = _case()
     ref = copy.deepcopy(model)
     pipe = meshpipe.Pipeline.from_plan(data, model, loss_fn=loss_fn, example_args=(x,))
+    if fsdp is not None:
+        pipe.track_memory()
     loss = pipe.step(x, target=y)
     ref_loss = loss_fn(ref(x), y)
     ref_loss.backward()
@@ -67,6 +70,7 @@ def _parity(data: dict[str, Any], fsdp: list[bool] | None = None) -> float:
         worst = max(worst, (g - ref_params[name].grad).abs().max().item())
     if fsdp is not None:
         fsdp.append(any(isinstance(m, FSDPModule) for s in pipe.stages for m in s.modules()))
+        fsdp.append(pipe.memory_stats())
     return worst
 
 
@@ -136,12 +140,12 @@ def test_from_plan_parity_memory_and_refusal(plans: dict[str, Plan]) -> None:
         assert abs(stats["peak"] - predicted) <= 0.25 * predicted, (r, stats, predicted)
 
 
-def _three(cases: list[dict[str, Any]]) -> list[tuple[float, bool]]:
+def _three(cases: list[dict[str, Any]]) -> list[tuple[float, bool, dict[str, Any]]]:
     torch.set_num_threads(1)
     out = []
     for d in cases:
-        sharded: list[bool] = []
-        out.append((_parity(d, sharded), sharded[0]))
+        sharded: list[Any] = []
+        out.append((_parity(d, sharded), sharded[0], sharded[1]))
     return out
 
 
@@ -156,7 +160,11 @@ def test_from_plan_stage_meshes_with_replicas_and_a_dp_mode(plans: dict[str, Pla
     assert "dp_replicate2" in str(replicas)
     cases = [replicas.to_dict(), sharded.to_dict()]
     results = run_on_ranks(_three, 3, cases, timeout=240)
-    for rank, ((diff_r, fsdp_r), (diff_s, fsdp_s)) in enumerate(results):
+    for rank, ((diff_r, fsdp_r, mem_r), (diff_s, fsdp_s, mem_s)) in enumerate(results):
         assert diff_r < 1e-5 and diff_s < 1e-5, (rank, diff_r, diff_s)
         assert not fsdp_r
         assert fsdp_s == (rank > 0), rank  # the second stage's two processes shard it
+        # memory_stats() counts an FSDP2 process's shards (the step stopped on them before)
+        assert mem_s["activations"] > 0 and mem_r["activations"] > 0, (mem_r, mem_s)
+        if rank > 0:
+            assert mem_s["params"] < mem_r["params"], (mem_r, mem_s)
