@@ -48,6 +48,17 @@ def _cases(_: None = None) -> dict[str, Any]:
         timeout=60,
     )  # fmt: skip
     out["schedule"] = _outcome(lambda: mixed.step(x, target=y))
+    # built from other split points (e.g. plans made on each process): each rank would run
+    # its own stage of another cut, and a block would be left out, silently, before
+    cut = meshpipe.Pipeline(
+        blocks(4), mesh, "1f1b", 2, loss_fn=mse, timeout=60, split_points=[str(1 + rank)]
+    )
+    out["split_points"] = _outcome(lambda: cut.step(x, target=y))
+    recompute = meshpipe.Pipeline(
+        blocks(4), mesh, "1f1b", 2, loss_fn=mse, timeout=60,
+        activation_checkpointing=["full" if rank == 0 else None, None],
+    )  # fmt: skip
+    out["checkpointing"] = _outcome(lambda: recompute.step(x, target=y))
 
     def no_grad_everywhere() -> None:
         with torch.no_grad():
@@ -144,6 +155,16 @@ def test_different_microbatch_counts_stop_every_rank(results: list[Any]) -> None
 
 def test_different_schedules_stop_every_rank(results: list[Any]) -> None:
     _both(results, "schedule", "PipelineError", "schedule", "1f1b", "gpipe")
+
+
+def test_pipelines_built_from_other_split_points_or_checkpointing_stop(
+    results: list[Any],
+) -> None:
+    _both(results, "split_points", "PipelineError", "built their Pipeline differently",
+          "rank 0 passed split_points ['1']", "rank 1 passed split_points ['2']")  # fmt: skip
+    _both(results, "checkpointing", "PipelineError", "built their Pipeline differently",
+          "activation_checkpointing ['full', None]",
+          "activation_checkpointing [None, None]")  # fmt: skip
 
 
 def test_step_under_no_grad_is_refused(results: list[Any]) -> None:

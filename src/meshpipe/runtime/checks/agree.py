@@ -164,12 +164,19 @@ def agree(
 
 
 def _difference(texts: list[dict[str, str]]) -> str:
-    order = ["call", "microbatches", "schedule", "mode", "inputs", "target"]
+    order = ["pipeline", "call", "microbatches", "schedule", "mode", "inputs", "target"]
     keys = [k for k in order if any(k in t for t in texts)]
     for key in keys:
         seen = [t.get(key, "(not checked)") for t in texts]
         if len(set(seen)) > 1:
             ranks = ", ".join(f"rank {r} passed {v}" for r, v in enumerate(seen))
+            if key == "pipeline":
+                return (
+                    f"the processes built their Pipeline differently: {ranks}. Every process "
+                    "must build it with the same split_points and activation_checkpointing "
+                    "(a plan made on each process may differ from one to the next: make it "
+                    "on one process and share it, as examples/plan.py does)"
+                )
             return (
                 f"the pp ranks were not given the same {key}: {ranks}. Every rank must make "
                 "the same call with the same schedule, microbatch count, and inputs of the "
@@ -252,6 +259,9 @@ class CallCheck:
         # every call sends 3 + 2 * SLOTS int64 (describe.digests_of, then the values or
         # zeros), so the next call's receives are posted as soon as a call's check is done
         self._ahead = Ahead(group, routes, serial) if size > 1 else None
+        # how this process built the Pipeline (runtime/pipeline/building.py: build_text),
+        # compared with every call: processes that built it differently stop at the first
+        self.build = ""
 
     def _name(self, proc: int) -> str:
         lay = self._layout
@@ -313,6 +323,8 @@ class CallCheck:
         got = self._described.get(key)
         if got is None:
             fields, leaves = describe_call(call, schedule, digest, args, kwargs, target, train_mode)
+            if self.build:
+                fields["pipeline"] = self.build
             got = Described(fields, digests_of(fields), tuple(p for p, _ in leaves))
             if len(self._described) >= 64:
                 self._described.clear()

@@ -25,12 +25,35 @@ from meshpipe.split.whole import WholeModel
 __all__ = [
     "StageOptions",
     "build_runners",
+    "build_text",
     "check_autocast",
     "check_timeout",
     "pipeline_topology",
     "split_whole",
     "stages_per_rank_of",
 ]
+
+
+def build_text(split_points: Sequence[str] | None, policy: Any, given_stages: bool) -> str:
+    """How this process was asked to cut the model and recompute, as the call check
+    compares it across processes: ranks given different split points would each build
+    their own stages of different cuts, and the model trained would lack (or repeat) the
+    layers between them, silently; e.g. plans made on each process, which may differ."""
+    if given_stages:
+        cut = "stage modules given"
+    elif split_points is None:
+        cut = "split automatically"
+    else:
+        cut = f"split_points {list(split_points)}"
+    return f"{cut}; activation_checkpointing {_policy_text(policy)}"
+
+
+def _policy_text(policy: Any) -> str:
+    if isinstance(policy, list | tuple):
+        return "[" + ", ".join(_policy_text(p) for p in policy) + "]"
+    if callable(policy):
+        return getattr(policy, "__qualname__", type(policy).__name__)
+    return repr(policy)
 
 
 def check_autocast(autocast: Any) -> None:

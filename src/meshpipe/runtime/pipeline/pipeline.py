@@ -24,6 +24,7 @@ from meshpipe.runtime.mesh.stage_meshes import take_outputs
 from meshpipe.runtime.pipeline.building import (
     StageOptions,
     build_runners,
+    build_text,
     check_autocast,
     check_timeout,
     pipeline_topology,
@@ -181,6 +182,8 @@ class Pipeline(PipelineViews):
         self._driver = StepDriver(
             topo, mesh, self.timeout, self.check_inputs, self._spmd, self._accumulate
         )
+        given = not WholeModel.wanted(model, split_points)
+        self._driver.calls.build = build_text(split_points, activation_checkpointing, given)
 
     @classmethod
     def from_plan(
