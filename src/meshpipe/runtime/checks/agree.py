@@ -173,7 +173,8 @@ def _difference(texts: list[dict[str, str]]) -> str:
             if key == "pipeline":
                 return (
                     f"the processes built their Pipeline differently: {ranks}. Every process "
-                    "must build it with the same split_points and activation_checkpointing "
+                    "must build it with the same split_points, activation_checkpointing, dp "
+                    "and chunk_spec "
                     "(a plan made on each process may differ from one to the next: make it "
                     "on one process and share it, as examples/plan.py does)"
                 )

@@ -34,18 +34,27 @@ __all__ = [
 ]
 
 
-def build_text(split_points: Sequence[str] | None, policy: Any, given_stages: bool) -> str:
-    """How this process was asked to cut the model and recompute, as the call check
-    compares it across processes: ranks given different split points would each build
-    their own stages of different cuts, and the model trained would lack (or repeat) the
-    layers between them, silently; e.g. plans made on each process, which may differ."""
-    if given_stages:
-        cut = "stage modules given"
+def build_text(
+    split_points: Sequence[str] | None, policy: Any, given_stages: bool, dp: str | None,
+    chunk_spec: ChunkSpec | None,
+) -> str:  # fmt: skip
+    """How this process was asked to cut the model, recompute, reduce over dp and cut the
+    microbatches, as the call check compares it across processes: ranks given different
+    split points would each build their own stages of different cuts, and the model trained
+    would lack (or repeat) the layers between them, silently; ranks given other chunk specs
+    would pair one rank's inputs with another's targets. Plans made on each process may
+    differ that way."""
+    if given_stages:  # a list of stage modules, or a Sequential cut evenly
+        cut = "stages as given"
     elif split_points is None:
         cut = "split automatically"
     else:
         cut = f"split_points {list(split_points)}"
-    return f"{cut}; activation_checkpointing {_policy_text(policy)}"
+    text = f"{cut}; activation_checkpointing {_policy_text(policy)}; dp {dp!r}"
+    if chunk_spec is not None:
+        spec = sorted((str(k), repr(v)) for k, v in chunk_spec.items())
+        text += "; chunk_spec {" + ", ".join(f"{k}: {v}" for k, v in spec) + "}"
+    return text
 
 
 def _policy_text(policy: Any) -> str:

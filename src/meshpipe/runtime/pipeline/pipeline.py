@@ -183,7 +183,9 @@ class Pipeline(PipelineViews):
             topo, mesh, self.timeout, self.check_inputs, self._spmd, self._accumulate
         )
         given = not WholeModel.wanted(model, split_points)
-        self._driver.calls.build = build_text(split_points, activation_checkpointing, given)
+        self._driver.calls.build = build_text(
+            split_points, activation_checkpointing, given, dp, chunk_spec
+        )
 
     @classmethod
     def from_plan(
