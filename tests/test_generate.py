@@ -273,6 +273,10 @@ def _errors(mesh: Any) -> dict[str, str]:
     chunked = meshpipe.Pipeline(
         _model("qwen2 chunked"), mesh, "1f1b", 2, split_points=_points("qwen2", 4)
     )
+    # the last pp rank cut the model elsewhere (e.g. a plan made on each process)
+    last = mesh.get_local_rank("pp") == mesh.size(0) - 1
+    other = ["transformer.h.1", "transformer.h.2", f"transformer.h.{4 if last else 3}"]
+    cut = meshpipe.Pipeline(sm.gpt2(5), mesh, "1f1b", 2, split_points=other)
     return {
         "chunked": refusal(lambda: chunked.generate(ids[:, :4], 3)),
         "too_long": refusal(lambda: pipe.generate(ids, 3)),
@@ -281,6 +285,7 @@ def _errors(mesh: Any) -> dict[str, str]:
         # pp rank 1 asks for one more token than the others
         "differs": refusal(lambda: pipe.generate(ids[:, :4], 3 + (pipe.topology.pp_rank == 1))),
         "every": refusal(lambda: pipe.generate(ids[:, :4], 3, stop_check_every=0)),
+        "cut": refusal(lambda: cut.generate(ids[:, :4], 3)),
     }
 
 
@@ -378,6 +383,7 @@ def test_bad_input_is_refused_on_every_rank() -> None:
         assert "rank(s) [1] passed different max_new_tokens" in e["differs"], (rank, e)
         assert "stop_check_every=0 is out of range" in e["every"], (rank, e)
         assert "['chunked_attention', 'full_attention']" in e["chunked"], (rank, e)
+        assert "rank(s) [3] passed different split_points" in e["cut"], (rank, e)
 
 
 def test_decode_order_keeps_every_rank_on_another_lane() -> None:

@@ -41,6 +41,7 @@ class GenTarget:
     timeout: float
     runners: Mapping[int, StageRunner]
     ensure_split: Callable[[tuple[Any, ...], dict[str, Any]], None]
+    build: str = ""  # how the Pipeline was built (the call check's "pipeline" field)
 
 
 @dataclass
@@ -219,9 +220,9 @@ def _agree_call(
     values = (int((ids.cpu().long() * weights).sum()), int((mask.cpu() * weights).sum()))
     names = (
         "shapes", "max_new_tokens", "sampling options", "eos/pad", "lanes", "stop_check_every",
-        "input values",
+        "input values", "split_points, activation_checkpointing, dp or chunk_spec (Pipeline)",
     )  # fmt: skip
-    fields = (tuple(ids.shape), *options, values)
+    fields = (tuple(ids.shape), *options, values, target.build)
     agree(names, fields, topo.pp_group, topo.device, target.timeout, topo.pp_rank)
 
 
