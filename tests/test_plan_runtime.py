@@ -89,16 +89,24 @@ def _memory(data: dict[str, Any]) -> dict[str, Any]:
     return stats
 
 
-def _ranks(parity: list[dict[str, Any]], memory: dict[str, Any], wrong: dict[str, Any]) -> Any:
+def _refusal(data: dict[str, Any]) -> str:
+    try:
+        meshpipe.Pipeline.from_plan(data, LM(), loss_fn=loss_fn)
+    except meshpipe.PipelineError as e:
+        return str(e)
+    return "accepted"
+
+
+def _ranks(
+    parity: list[dict[str, Any]], memory: dict[str, Any], wrong: dict[str, Any],
+    per_rank: list[list[dict[str, Any]]],
+) -> Any:  # fmt: skip
     torch.set_num_threads(1)
     diffs = [_parity(d) for d in parity]
     stats = _memory(memory)
-    try:
-        meshpipe.Pipeline.from_plan(wrong, LM(), loss_fn=loss_fn)
-        refusal = "accepted"
-    except meshpipe.PipelineError as e:
-        refusal = str(e)
-    return diffs, stats, refusal
+    # ``per_rank``: plans that differ between the processes (as plans made on each may)
+    rank = torch.distributed.get_rank()
+    return diffs, stats, [_refusal(wrong), *(_refusal(p[rank]) for p in per_rank)]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +123,11 @@ def plans() -> dict[str, Plan]:
     return {k: v for k, v in found.items() if v is not None}
 
 
+def _other_point(point: str) -> str:
+    """A cut other than ``point``."""
+    return "layers.1" if point != "layers.1" else "layers.2"
+
+
 def test_from_plan_parity_memory_and_refusal(plans: dict[str, Plan]) -> None:
     base = plans["1f1b"]
     assert base.split_points  # the DP cut the model somewhere
@@ -127,10 +140,16 @@ def test_from_plan_parity_memory_and_refusal(plans: dict[str, Plan]) -> None:
     ]
     wrong = replace(base, world_size=4, pp=4, split_points=("layers.0", "layers.1", "layers.2"),
                     activation_checkpointing=(False,) * 4, memory=(0,) * 4).to_dict()  # fmt: skip
-    results = run_on_ranks(_ranks, 2, parity, base.to_dict(), wrong, timeout=240)
-    for diffs, _, refusal in results:
+    # another cut on rank 1 (trained with layers left out, silently, before), and another
+    # layout (pure dp on rank 1: meshes of other shapes that would not meet)
+    other_cut = replace(base, split_points=(_other_point(base.split_points[0]),)).to_dict()
+    per_rank = [[base.to_dict(), other_cut], [base.to_dict(), plans["dp"].to_dict()]]
+    results = run_on_ranks(_ranks, 2, parity, base.to_dict(), wrong, per_rank, timeout=240)
+    for diffs, _, (refusal, cut, layout) in results:
         assert max(diffs) < 1e-5, diffs
         assert "the plan is for 4 processes, but this job has 2" in refusal
+        assert "the processes were given different plans (split_points: rank 0" in cut, cut
+        assert "pp: rank 0 2, rank 1 1" in layout and "dp: rank 0 1, rank 1 2" in layout
     for _, stats, _ in results:
         r = stats["pp_rank"]
         predicted = base.memory[r]

@@ -2,11 +2,17 @@
 
 A plan is read as its JSON-able fields (``plan.to_dict()``, that dict itself, or any object
 with the attributes documented in docs/plan.md), so the runtime never imports
-``meshpipe.plan``. Checked before any communication, from values equal on every rank.
+``meshpipe.plan``. Checked before any communication, from values equal on every rank; then
+the processes agree that they were given the same plan (what it builds, not its
+predictions) before any mesh is made: plans made on each process may differ, and meshes of
+other shapes would not meet, or other cuts would train a model with layers left out.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +20,7 @@ import torch.distributed as dist
 
 from meshpipe.errors import PipelineError
 
-__all__ = ["FIELDS", "plan_fields", "plan_arguments"]
+__all__ = ["FIELDS", "agree_on_plan", "plan_fields", "plan_arguments"]
 
 FIELDS = (
     "world_size", "pp", "dp", "tp", "schedule", "stages_per_rank", "num_microbatches",
@@ -43,8 +49,6 @@ def plan_fields(plan: Any) -> dict[str, Any]:
 def _world_size() -> int | None:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    import os
-
     text = os.environ.get("WORLD_SIZE")
     return int(text) if text and text.isdigit() else None
 
@@ -75,6 +79,8 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
             f"Pipeline.from_plan: the plan is for {data['world_size']} processes, but this "
             f"job has {world}; plan again with world_size={world}"
         )
+    if world is not None and world > 1:
+        agree_on_plan(data)
     meshes = data.get("stage_meshes")
     spr = int(data["stages_per_rank"])
     num_stages = int(data["pp"]) * spr
@@ -96,3 +102,37 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
         return shared(key, lambda: init_stage_meshes(specs))[0], kwargs
     pp, dp, tp = int(data["pp"]), int(data["dp"]), int(data["tp"])
     return shared(("mesh", pp, dp, tp), lambda: init_mesh(pp=pp, dp=dp, tp=tp))[0], kwargs
+
+
+# what a plan builds (its predictions may differ between processes and change nothing)
+BUILDS = (*FIELDS, "stage_meshes", "dp_mode", "tp_plan")
+AGREE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def agree_on_plan(data: Mapping[str, Any]) -> None:
+    """Every process was given a plan that builds the same Pipeline, or PipelineError on
+    every process naming the fields that differ (one small all-gather over a gloo group of
+    the whole job, made once per process)."""
+    from meshpipe.groups import shared
+    from meshpipe.runtime.mesh.topology import init_default_group
+
+    init_default_group(None, AGREE_TIMEOUT.total_seconds())
+    mine = {k: data.get(k) for k in BUILDS}
+    text = json.dumps(mine, sort_keys=True, default=list)
+    group, _ = shared(("from_plan",), lambda: dist.new_group(backend="gloo", timeout=AGREE_TIMEOUT))
+    texts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text, group=group)
+    if len(set(texts)) == 1:
+        return
+    every = [json.loads(t) for t in texts]
+    differ = [k for k in BUILDS if len({json.dumps(e.get(k), sort_keys=True) for e in every}) > 1]
+    shown = "; ".join(
+        f"{k}: " + ", ".join(f"rank {r} {json.dumps(e.get(k))}" for r, e in enumerate(every))
+        for k in differ
+    )
+    raise PipelineError(
+        f"Pipeline.from_plan: the processes were given different plans ({shown}). A plan "
+        "made on each process may differ from one to the next (its profile is timed): make "
+        "it on one process and share it (examples/plan.py), or plan on each from one "
+        "shared profile="
+    )
