@@ -79,8 +79,6 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
             f"Pipeline.from_plan: the plan is for {data['world_size']} processes, but this "
             f"job has {world}; plan again with world_size={world}"
         )
-    if world is not None and world > 1:
-        agree_on_plan(data)
     meshes = data.get("stage_meshes")
     spr = int(data["stages_per_rank"])
     num_stages = int(data["pp"]) * spr
@@ -95,6 +93,8 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
     meshes_tp = any(int(m.get("tp", 1)) > 1 for m in data.get("stage_meshes") or ())
     if data.get("tp_plan") is not None and (int(data["tp"]) > 1 or meshes_tp):
         kwargs["tp_plan"] = data["tp_plan"]  # "auto": the model's own plan
+    if world is not None and world > 1:  # every field read and checked first, alike
+        agree_on_plan(data)
     # one mesh per layout in a process, whatever the number of plans run (meshpipe/groups.py)
     if meshes is not None:
         specs = [dict(m) for m in meshes]
