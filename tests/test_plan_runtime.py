@@ -143,9 +143,18 @@ def test_from_plan_parity_memory_and_refusal(plans: dict[str, Plan]) -> None:
     # another cut on rank 1 (trained with layers left out, silently, before), and another
     # layout (pure dp on rank 1: meshes of other shapes that would not meet)
     other_cut = replace(base, split_points=(_other_point(base.split_points[0]),)).to_dict()
-    per_rank = [[base.to_dict(), other_cut], [base.to_dict(), plans["dp"].to_dict()]]
+    # and a plan that rank 1 alone refuses: rank 0 is told, rather than left waiting
+    bad = {**base.to_dict(), "activation_checkpointing": [True]}
+    per_rank = [
+        [base.to_dict(), other_cut], [base.to_dict(), plans["dp"].to_dict()], [base.to_dict(), bad]
+    ]  # fmt: skip
     results = run_on_ranks(_ranks, 2, parity, base.to_dict(), wrong, per_rank, timeout=240)
-    for diffs, _, (refusal, cut, layout) in results:
+    assert (
+        "process 1 refused its plan: Pipeline.from_plan: activation_checkpointing"
+        in (results[0][2][3])
+    )
+    assert "must be one bool per stage" in results[1][2][3]
+    for diffs, _, (refusal, cut, layout, _) in results:
         assert max(diffs) < 1e-5, diffs
         assert "the plan is for 4 processes, but this job has 2" in refusal
         assert "the processes were given different plans (split_points: rank 0" in cut, cut

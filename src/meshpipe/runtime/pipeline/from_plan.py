@@ -72,14 +72,35 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
     from meshpipe.runtime.mesh.stage_meshes import init_stage_meshes
     from meshpipe.runtime.mesh.topology import init_mesh
 
-    data = plan_fields(plan)
     world = _world_size()
+    data: dict[str, Any] = {}
+    problem: PipelineError | None = None
+    try:
+        data = plan_fields(plan)
+        kwargs = _arguments(data, world)
+    except PipelineError as e:  # told to the other processes first: none waits for this one
+        problem = e
+    if world is not None and world > 1:
+        agree_on_plan(data, problem)
+    if problem is not None:
+        raise problem
+    # one mesh per layout in a process, whatever the number of plans run (meshpipe/groups.py)
+    meshes = data.get("stage_meshes")
+    if meshes is not None:
+        specs = [dict(m) for m in meshes]
+        key = ("stage meshes", tuple(tuple(sorted(m.items())) for m in specs))
+        return shared(key, lambda: init_stage_meshes(specs))[0], kwargs
+    pp, dp, tp = int(data["pp"]), int(data["dp"]), int(data["tp"])
+    return shared(("mesh", pp, dp, tp), lambda: init_mesh(pp=pp, dp=dp, tp=tp))[0], kwargs
+
+
+def _arguments(data: Mapping[str, Any], world: int | None) -> dict[str, Any]:
+    """Pipeline's keyword arguments from the plan's fields, checked."""
     if world is not None and world != data["world_size"]:
         raise PipelineError(
             f"Pipeline.from_plan: the plan is for {data['world_size']} processes, but this "
             f"job has {world}; plan again with world_size={world}"
         )
-    meshes = data.get("stage_meshes")
     spr = int(data["stages_per_rank"])
     num_stages = int(data["pp"]) * spr
     kwargs: dict[str, Any] = {
@@ -93,15 +114,7 @@ def plan_arguments(plan: Any) -> tuple[Any, dict[str, Any]]:
     meshes_tp = any(int(m.get("tp", 1)) > 1 for m in data.get("stage_meshes") or ())
     if data.get("tp_plan") is not None and (int(data["tp"]) > 1 or meshes_tp):
         kwargs["tp_plan"] = data["tp_plan"]  # "auto": the model's own plan
-    if world is not None and world > 1:  # every field read and checked first, alike
-        agree_on_plan(data)
-    # one mesh per layout in a process, whatever the number of plans run (meshpipe/groups.py)
-    if meshes is not None:
-        specs = [dict(m) for m in meshes]
-        key = ("stage meshes", tuple(tuple(sorted(m.items())) for m in specs))
-        return shared(key, lambda: init_stage_meshes(specs))[0], kwargs
-    pp, dp, tp = int(data["pp"]), int(data["dp"]), int(data["tp"])
-    return shared(("mesh", pp, dp, tp), lambda: init_mesh(pp=pp, dp=dp, tp=tp))[0], kwargs
+    return kwargs
 
 
 # what a plan builds (its predictions may differ between processes and change nothing)
@@ -109,22 +122,30 @@ BUILDS = (*FIELDS, "stage_meshes", "dp_mode", "tp_plan")
 AGREE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def agree_on_plan(data: Mapping[str, Any]) -> None:
+def agree_on_plan(data: Mapping[str, Any], problem: Exception | None = None) -> None:
     """Every process was given a plan that builds the same Pipeline, or PipelineError on
-    every process naming the fields that differ (one small all-gather over a gloo group of
-    the whole job, made once per process)."""
+    every process naming the fields that differ, or the ``problem`` a process found in its
+    plan (one small all-gather over a gloo group of the whole job, made once per
+    process)."""
     from meshpipe.groups import shared
     from meshpipe.runtime.mesh.topology import init_default_group
 
     init_default_group(None, AGREE_TIMEOUT.total_seconds())
     mine = {k: data.get(k) for k in BUILDS}
-    text = json.dumps(mine, sort_keys=True, default=list)
+    mine["problem"] = None if problem is None else str(problem)
+    text = json.dumps(mine, sort_keys=True, default=str)
     group, _ = shared(("from_plan",), lambda: dist.new_group(backend="gloo", timeout=AGREE_TIMEOUT))
     texts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(texts, text, group=group)
     if len(set(texts)) == 1:
         return
     every = [json.loads(t) for t in texts]
+    found = [(r, e["problem"]) for r, e in enumerate(every) if e["problem"] is not None]
+    if found and problem is None:  # the process that found it raises its own error
+        rank, why = found[0]
+        raise PipelineError(f"Pipeline.from_plan: process {rank} refused its plan: {why}")
+    if found:
+        return
     differ = [k for k in BUILDS if len({json.dumps(e.get(k), sort_keys=True) for e in every}) > 1]
     shown = "; ".join(
         f"{k}: " + ", ".join(f"rank {r} {json.dumps(e.get(k))}" for r, e in enumerate(every))
