@@ -521,9 +521,9 @@ def _with_resume(ap: argparse.ArgumentParser, sc: Scenario, text: str) -> Scenar
     if not isinstance(fields, dict) or set(fields) - known:
         ap.error(f"--resume: 'one' or a JSON object of {sorted(known)}, got {text!r}")
     options = {k: v for k, v in sc.options.items() if k != "dp"}
-    if fields.get("dp_mode"):
-        options["dp"] = fields.pop("dp_mode")
-    fields.pop("dp_mode", None)
+    mode = fields.pop("dp_mode", None)
+    if mode:
+        options["dp"] = mode
     meshes = tuple(fields.pop("stage_meshes", ()))
     layout = {"pp": len(meshes)} if meshes else {}
     other = dataclasses.replace(sc, **{**fields, **layout}, stage_meshes=meshes, options=options)

@@ -26,6 +26,9 @@ FIELDS = (
     "world_size", "pp", "dp", "tp", "schedule", "stages_per_rank", "num_microbatches",
     "split_points", "activation_checkpointing",
 )  # fmt: skip
+# what a plan builds: FIELDS and the optional ones (its predictions may differ between
+# processes and change nothing)
+BUILDS = (*FIELDS, "stage_meshes", "dp_mode", "tp_plan")
 
 
 def plan_fields(plan: Any) -> dict[str, Any]:
@@ -35,8 +38,7 @@ def plan_fields(plan: Any) -> dict[str, Any]:
     elif isinstance(plan, Mapping):
         data = dict(plan)
     else:
-        names = (*FIELDS, "stage_meshes", "dp_mode", "tp_plan")
-        data = {name: getattr(plan, name) for name in names if hasattr(plan, name)}
+        data = {name: getattr(plan, name) for name in BUILDS if hasattr(plan, name)}
     missing = [name for name in FIELDS if name not in data]
     if missing:
         raise PipelineError(
@@ -117,8 +119,6 @@ def _arguments(data: Mapping[str, Any], world: int | None) -> dict[str, Any]:
     return kwargs
 
 
-# what a plan builds (its predictions may differ between processes and change nothing)
-BUILDS = (*FIELDS, "stage_meshes", "dp_mode", "tp_plan")
 AGREE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
