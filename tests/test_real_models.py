@@ -180,6 +180,29 @@ def _qwen3_tp(mesh: Any) -> dict[str, Any]:
     return {**gaps, "norms": len(norms), "norms_whole": whole}
 
 
+def _qwen3_norms_left_out(mesh: Any, dp: str | None = None) -> dict[str, Any]:
+    """Qwen 3 under a hand-written tp plan that leaves its per-head q/k norms whole and
+    plain: each tp rank's norm gradient covers its own heads only (silently 5e-2 off one
+    process after 3 AdamW steps before the check). Two steps, each refused."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import split_models as sm
+
+    torch.manual_seed(0)
+    col, row = ColwiseParallel, RowwiseParallel
+    plan = {f"*.{n}_proj": col() for n in ("q", "k", "v", "gate", "up")}
+    plan |= {"*.o_proj": row(), "*.down_proj": row()}
+    points = ["model.layers.2"] if mesh["pp"].size() > 1 else None
+    pipe = meshpipe.Pipeline(
+        sm.qwen3(), mesh, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan=plan, dp=dp, split_points=points
+    )
+    (ids,), kwargs, target = _lm_batches()[0]
+    first = refusal(lambda: pipe.step(ids, target=target, **kwargs))
+    grads = [n for n, p in pipe.named_parameters() if p.grad is not None]
+    again = refusal(lambda: pipe.step(ids, target=target, **kwargs))
+    return {"first": first, "again": again, "grads": grads}
+
+
 def _experts_plan(model: torch.nn.Module) -> Any:
     """tp_plan="auto", where the model's plan splits its experts over tp (transformers'
     moe_tp_experts); else (Mixtral from transformers 5.25, whose plan leaves its experts to
@@ -306,6 +329,9 @@ def _llama_worker() -> dict[str, Any]:
     torch.set_num_threads(1)
     res = _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["qwen3"] = _qwen3_tp(meshpipe.init_mesh(pp=2, tp=2))
+    res["norms_left_out"] = _qwen3_norms_left_out(meshpipe.init_mesh(pp=2, tp=2))
+    fsdp_mesh = meshpipe.init_mesh(pp=1, dp=2, tp=2)
+    res["norms_left_out_fsdp"] = _qwen3_norms_left_out(fsdp_mesh, dp="fsdp")
     res["mixtral"] = _mixtral_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["llama4"] = _llama4_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["tied"] = _tied_tp(meshpipe.init_mesh(pp=2, tp=2), meshpipe.init_mesh(pp=1, dp=2, tp=2))
@@ -322,6 +348,21 @@ def test_qwen3_per_head_norms_under_tp_match_one_process() -> None:
         r = res["qwen3"]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
         assert r["norms"] == 4 and r["norms_whole"], (rank, r)  # q and k norm of 2 layers
+
+
+@pytest.mark.parametrize("case", ["norms_left_out", "norms_left_out_fsdp"])
+def test_whole_parameters_whose_gradients_differ_over_tp_are_refused(case: str) -> None:
+    """A tp plan that leaves Qwen 3's per-head norms plain: every process refuses the first
+    step naming them, drops its gradients, and refuses the next step again."""
+    for rank, res in enumerate(_llama_results()):
+        r = res[case]
+        for said in (r["first"], r["again"]):
+            assert "different gradients for parameters each of them holds whole" in said, (
+                rank,
+                said,
+            )
+        assert "q_norm.weight" in r["first"] and "k_norm.weight" in r["first"], (rank, r)
+        assert r["grads"] == [], (rank, r["grads"])
 
 
 def test_mixtral_experts_split_over_tp_match_one_process() -> None:

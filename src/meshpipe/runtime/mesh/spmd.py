@@ -459,6 +459,11 @@ class Spmd:
         return bool(self._fsdp) or (training and sync and bool(self._syncs))
 
     @property
+    def tp_anywhere(self) -> bool:
+        """Some stage's mesh has a tp axis above 1 (the same on every process)."""
+        return bool(self._tp_sizes)
+
+    @property
     def uses_fsdp(self) -> bool:
         return bool(self._fsdp)
 

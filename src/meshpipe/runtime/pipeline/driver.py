@@ -19,6 +19,7 @@ from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
 from meshpipe.groups import retire, shared
 from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck, CallSpec
+from meshpipe.runtime.checks.tp_grads import TpGradCheck
 from meshpipe.runtime.failures.closing import (
     RowsLater,
     closing_ahead,
@@ -88,6 +89,8 @@ class StepDriver:
             check_inputs, ch.ctrl if routes is None else ch.data, len(topo.layout.ranks),
             topo.layout.me, timeout, topo.layout, ch.data, topo.device, routes, ch.ctrl_serial,
         )  # fmt: skip
+        # the whole-over-tp gradients agree over tp: checked until a synced step passes
+        self.tp_grads = TpGradCheck(topo, spmd.tp_anywhere, timeout, check_inputs != "off")
         self.descs = DescCache()
         self.inputs = CallInputs(topo)  # a call's microbatches, and their signatures
         self.readers: dict[int, Reader] = {}  # ctrl readers by peer, one epoch per step
@@ -332,6 +335,12 @@ class StepDriver:
         # gradients 3e-2 off, silently, until the 23rd session, 2026-12-03)
         if whole is not None and topo.stage_meshes and acc.synced:
             whole.sync_grads()
+        if acc.synced and self.tp_grads.due:
+            try:
+                self.tp_grads.check(params)
+            except PipelineError:
+                self.done()  # refused on every process alike: the channels are in step
+                raise
         return loss
 
     def _reduce_fsdp(

@@ -186,6 +186,8 @@ class Pipeline(PipelineViews):
         self._driver.calls.build = build_text(
             split_points, activation_checkpointing, given, dp, chunk_spec
         )
+        # names the parameters whose gradients the tp ranks disagree on (checks/tp_grads.py)
+        self._driver.tp_grads.names = lambda: {id(p): n for n, p in self.named_parameters()}
 
     @classmethod
     def from_plan(
