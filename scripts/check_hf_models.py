@@ -536,7 +536,7 @@ def _with_resume(ap: argparse.ArgumentParser, sc: Scenario, text: str) -> Scenar
 # failed): no tp plan declared, no ep plan; cp: masks, attention outside sdpa
 NOT_BUILT = (
     "declares no tensor-parallel plan",
-    "which tp_plan='auto' cannot translate",  # a style not built (DeepSeek's mla_kv_a_proj)
+    "which tp_plan='auto' cannot translate",  # a style not built
     "declares no expert",
     "not built for cp",
     "attn_implementation=",

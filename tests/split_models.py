@@ -43,11 +43,12 @@ def _decoder(config: str, model: str, num_layers: int, **extra: Any) -> nn.Modul
     quiet_transformers()
     import transformers
 
-    cfg = getattr(transformers, config)(
+    base = dict(
         num_hidden_layers=num_layers, hidden_size=32, intermediate_size=64,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, use_cache=False,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, **extra,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
+    cfg = getattr(transformers, config)(**{**base, **extra})
     built: nn.Module = getattr(transformers, model)(cfg)
     return built
 
@@ -60,6 +61,19 @@ def qwen3(num_layers: int = 4) -> nn.Module:
     """Qwen 3: per-head query and key norms after the projections (its declared tp plan
     gives them "replicated_with_grad_allreduce")."""
     return _decoder("Qwen3Config", "Qwen3ForCausalLM", num_layers, head_dim=8)
+
+
+def deepseek_v3(num_layers: int = 4) -> nn.Module:
+    """DeepSeek-V3: multi-head latent attention (queries and keys/values through low-rank
+    projections, one rotary key shared by the heads; transformers' tp plan gives its key
+    projection "mla_kv_a_proj"), a dense first layer, then MoE layers."""
+    return _decoder(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", num_layers, num_key_value_heads=4,
+        max_position_embeddings=32, moe_intermediate_size=32, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8,
+    )  # fmt: skip
 
 
 def gemma3(num_layers: int = 4) -> nn.Module:

@@ -180,6 +180,27 @@ def _qwen3_tp(mesh: Any) -> dict[str, Any]:
     return {**gaps, "norms": len(norms), "norms_whole": whole}
 
 
+def _deepseek_tp(mesh: Any) -> dict[str, Any]:
+    """DeepSeek-V3 with tp_plan="auto": its compressed key/value projection
+    ("mla_kv_a_proj") whole on each tp rank, the shared rotary key's gradient summed over
+    tp (parallel/mla.py); 3 AdamW steps against one process."""
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = sm.deepseek_v3()
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan="auto", split_points=["model.layers.2"]
+    )
+    gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
+    kv_a = [p for n, p in pipe.named_parameters() if n.endswith("kv_a_proj_with_mqa.weight")]
+    from torch.distributed.tensor import DTensor
+
+    b_split = [isinstance(p, DTensor) for n, p in pipe.named_parameters() if "kv_b_proj" in n]
+    return {**gaps, "kv_a": len(kv_a), "kv_a_whole": not any(isinstance(p, DTensor) for p in kv_a),
+            "kv_b_split": bool(b_split) and all(b_split)}  # fmt: skip
+
+
 def _qwen3_norms_left_out(mesh: Any, dp: str | None = None) -> dict[str, Any]:
     """Qwen 3 under a hand-written tp plan that leaves its per-head q/k norms whole and
     plain: each tp rank's norm gradient covers its own heads only (silently 5e-2 off one
@@ -329,6 +350,7 @@ def _llama_worker() -> dict[str, Any]:
     torch.set_num_threads(1)
     res = _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["qwen3"] = _qwen3_tp(meshpipe.init_mesh(pp=2, tp=2))
+    res["deepseek"] = _deepseek_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["norms_left_out"] = _qwen3_norms_left_out(meshpipe.init_mesh(pp=2, tp=2))
     fsdp_mesh = meshpipe.init_mesh(pp=1, dp=2, tp=2)
     res["norms_left_out_fsdp"] = _qwen3_norms_left_out(fsdp_mesh, dp="fsdp")
@@ -340,7 +362,7 @@ def _llama_worker() -> dict[str, Any]:
 
 @cache
 def _llama_results() -> list[dict[str, Any]]:
-    return run_on_ranks(_llama_worker, 4, timeout=240.0)
+    return run_on_ranks(_llama_worker, 4, timeout=360.0)
 
 
 def test_qwen3_per_head_norms_under_tp_match_one_process() -> None:
@@ -348,6 +370,16 @@ def test_qwen3_per_head_norms_under_tp_match_one_process() -> None:
         r = res["qwen3"]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
         assert r["norms"] == 4 and r["norms_whole"], (rank, r)  # q and k norm of 2 layers
+
+
+def test_deepseek_latent_attention_under_tp_matches_one_process() -> None:
+    """transformers' "mla_kv_a_proj" translated: the key projection whole on every tp rank,
+    kv_b_proj split, and 3 AdamW steps as one process (and the tp gradient check passes:
+    without the sum over tp the projection's gradients differ between the tp ranks)."""
+    for rank, res in enumerate(_llama_results()):
+        r = res["deepseek"]
+        assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
+        assert r["kv_a"] == 2 and r["kv_a_whole"] and r["kv_b_split"], (rank, r)
 
 
 @pytest.mark.parametrize("case", ["norms_left_out", "norms_left_out_fsdp"])

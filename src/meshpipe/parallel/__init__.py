@@ -5,6 +5,7 @@ from meshpipe.parallel.conv1d import Conv1DColwise, Conv1DRowwise
 from meshpipe.parallel.ddp import GradSync
 from meshpipe.parallel.fsdp import apply_fsdp, fsdp_begin_step, fsdp_reduce
 from meshpipe.parallel.hf_plan import auto_tp_plan
+from meshpipe.parallel.mla import MlaKvAProj
 from meshpipe.parallel.moe_tp import ExpertsTP
 from meshpipe.parallel.replicated import ReplicatedGradSum
 from meshpipe.parallel.rowwise import OwnedRowwise
@@ -16,6 +17,7 @@ __all__ = [
     "GradSync",
     "ReplicatedGradSum",
     "ExpertsTP",
+    "MlaKvAProj",
     "OwnedRowwise",
     "auto_tp_plan",
     "apply_fsdp",

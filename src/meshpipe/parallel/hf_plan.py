@@ -16,11 +16,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshpipe.errors import PipelineError
+from meshpipe.parallel.mla import MlaKvAProj
 from meshpipe.parallel.moe_tp import ExpertsTP
 from meshpipe.parallel.replicated import ReplicatedGradSum
 from meshpipe.parallel.rowwise import OwnedRowwise
 
-__all__ = ["auto_ep_plan", "auto_tp_plan", "HF_STYLES"]
+__all__ = ["auto_ep_plan", "auto_tp_plan", "CONFIG_STYLES", "HF_STYLES"]
 
 EP_EXPERTS = "ep_dispatch_experts"  # the style transformers gives an experts module
 TP_EXPERTS = "moe_tp_experts"  # its style under tp: the weights' entries name their styles
@@ -47,6 +48,12 @@ HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "sequence_parallel": SequenceParallel,
     # per-head norms after a colwise projection (Qwen 3, Gemma 3): parallel/replicated.py
     "replicated_with_grad_allreduce": ReplicatedGradSum,
+}
+
+# styles that read the model's config
+CONFIG_STYLES: dict[str, Callable[[Any], ParallelStyle]] = {
+    # MLA's compressed key/value projection (DeepSeek-V2/V3): parallel/mla.py
+    "mla_kv_a_proj": lambda config: MlaKvAProj(int(config.qk_rope_head_dim)),
 }
 
 
@@ -103,15 +110,30 @@ def auto_tp_plan(model: Any) -> dict[str, ParallelStyle]:
                     "(meshpipe.parallel.ExpertsTP); pass an explicit tp_plan={...}"
                 )
             continue  # the plan names layers this configuration lacks (dense MLPs of a MoE)
-        make = HF_STYLES.get(str(style))
-        if make is None:
+        plan[key] = _style(model, key, str(style))
+    return plan
+
+
+def _style(model: nn.Module, key: str, style: str) -> ParallelStyle:
+    """torch's parallel style for transformers' ``style``, or PipelineError naming it."""
+    make = HF_STYLES.get(style)
+    if make is not None:
+        return make()
+    with_config = CONFIG_STYLES.get(style)
+    config = getattr(model, "config", None)
+    if with_config is not None:
+        try:
+            return with_config(config)
+        except (AttributeError, TypeError, ValueError) as e:
             raise PipelineError(
                 f"{type(model).__name__}'s tp plan gives {key!r} the style {style!r}, which "
-                f"tp_plan='auto' cannot translate (it knows {sorted(HF_STYLES)}); pass an "
-                "explicit tp_plan={...}"
-            )
-        plan[key] = make()
-    return plan
+                f"reads the model's config, and it could not: {type(e).__name__}: {e}"
+            ) from e
+    known = sorted([*HF_STYLES, *CONFIG_STYLES])
+    raise PipelineError(
+        f"{type(model).__name__}'s tp plan gives {key!r} the style {style!r}, which "
+        f"tp_plan='auto' cannot translate (it knows {known}); pass an explicit tp_plan={{...}}"
+    )
 
 
 def _experts_styles(

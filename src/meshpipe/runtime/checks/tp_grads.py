@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshpipe.errors import PipelineError
-from meshpipe.runtime.failures.waits import wait_work
+from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
 from meshpipe.runtime.mesh.topology import Topology
 
 __all__ = ["TpGradCheck", "spread", "whole_over_tp"]
@@ -86,7 +86,7 @@ class TpGradCheck:
         self._timeout = timeout
         self.names: Callable[[], dict[int, str]] = dict
 
-    def check(self, params: Sequence[torch.Tensor]) -> None:
+    def check(self, params: Sequence[torch.Tensor], watchdog: Watchdog | None = None) -> None:
         """Raise the same PipelineError (a refusal: every process alike, after the step's
         closing) on every process if the whole-over-tp gradients of some stage's tp ranks
         differ; else never again."""
@@ -99,18 +99,14 @@ class TpGradCheck:
         bad: list[int] = []
         if mine:
             local = _fingerprints(mine, device)
-            # gloo's all-gather into one tensor wants the ranks' rows one after another
-            gathered = torch.empty(
-                (topo.tp_size * local.shape[0], 4), dtype=torch.float64, device=device
-            )
             tp_mesh = topo.tp_mesh
             if tp_mesh is None:
                 raise RuntimeError("internal: tp_size > 1 without a tp mesh")
-            work = dist.all_gather_into_tensor(
-                gathered, local, group=tp_mesh.get_group(), async_op=True
-            )
-            wait_work(work, self._timeout, "the tp ranks' gradient fingerprints (first step)")
-            gaps = spread(gathered.cpu().view(topo.tp_size, *local.shape))
+            every = [torch.empty_like(local) for _ in range(topo.tp_size)]
+            work = dist.all_gather(every, local, group=tp_mesh.get_group(), async_op=True)
+            what = "the tp ranks' gradient fingerprints (first step)"
+            wait_bounded(work, self._timeout, what, watchdog)
+            gaps = spread(torch.stack(every).cpu())
             bad = [i for i, g in enumerate(gaps.tolist()) if g > RTOL]
             if bad:
                 worst[topo.pp_rank] = float(gaps.max())
@@ -119,7 +115,7 @@ class TpGradCheck:
             groups.append(topo.dp_group)
         for group in groups:
             work = dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group, async_op=True)
-            wait_work(work, self._timeout, "the tp gradient check's verdict (first step)")
+            wait_bounded(work, self._timeout, "the tp gradient check's verdict", watchdog)
         verdict = worst.cpu().tolist()
         culprits = [r for r, v in enumerate(verdict) if v > RTOL]
         if not culprits:

@@ -337,7 +337,7 @@ class StepDriver:
             whole.sync_grads()
         if acc.synced and self.tp_grads.due:
             try:
-                self.tp_grads.check(params)
+                self.tp_grads.check(params, watchdog)
             except PipelineError:
                 self.done()  # refused on every process alike: the channels are in step
                 raise
