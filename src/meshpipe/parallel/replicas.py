@@ -1,5 +1,6 @@
 """dp replicas start equal: a stage's parameters and buffers broadcast from dp replica 0 once,
-at construction, in a few coalesced messages (DDP's initial sync, for every dp mode)."""
+at construction, in a few coalesced messages (DDP's initial sync, for every dp mode). The tp
+ranks of a stage start equal the same way, on what each holds whole (tp rank 0's)."""
 
 from __future__ import annotations
 
@@ -47,19 +48,20 @@ def _check_same(
     stage: int,
     device: torch.device,
     wait: Wait,
+    who: str = "dp replica",
 ) -> None:
     """Refuse (on every replica) replicas whose stages hold different tensors: a broadcast
     between them would copy bytes into the wrong places."""
     mine = _digest(state, device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(every, mine, group=group, async_op=True)
-    wait(work, f"the check that stage {stage}'s dp replicas hold the same tensors")
+    wait(work, f"the check that stage {stage}'s {who}s hold the same tensors")
     digests = [int(d.item()) for d in every]
     differ = [i for i, d in enumerate(digests) if d != digests[0]]
     if differ:
         raise PipelineError(
-            f"stage {stage}: dp replicas {differ} hold other parameters or buffers (names, "
-            "shapes or dtypes) than dp replica 0; every dp replica must build the same model"
+            f"stage {stage}: {who}s {differ} hold other parameters or buffers (names, "
+            f"shapes or dtypes) than {who} 0; every {who} must build the same model"
         )
 
 
@@ -93,16 +95,19 @@ def broadcast_replicas(
     wait: Wait,
     bucket_bytes: int = BUCKET_BYTES,
     skip: Collection[int] = (),
+    who: str = "dp replica",
 ) -> None:
     """Give every dp replica of ``stage`` the parameters and buffers of dp replica 0 (group
     rank 0 of ``group``), in place. Collective over ``group``. DTensor parameters (TP) are
     broadcast shard by shard: replicas at the same tp coordinate hold the same shard. Call
     before FSDP2 shards the stage over dp. ``skip``: ids of tensors made equal already (a
     module another stage of this process shares, sharded by that stage's FSDP2: its shard
-    broadcast again would overwrite the other replicas' shards with replica 0's rows)."""
+    broadcast again would overwrite the other replicas' shards with replica 0's rows).
+    ``who`` names the group's members in messages ("tp rank": the caller skips what tp
+    shards)."""
     with torch.no_grad():
         state = _state(module, skip)
-        _check_same(state, group, stage, device, wait)
+        _check_same(state, group, stage, device, wait, who)
         src = dist.get_global_rank(group, 0)
         sending = dist.get_rank() == src
         tensors = [t for _, t in state if t.numel() > 0]
@@ -113,7 +118,7 @@ def broadcast_replicas(
                     n = t.numel() * t.element_size()
                     flat[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
             work = dist.broadcast(flat, src=src, group=group, async_op=True)
-            wait(work, f"the broadcast of stage {stage}'s parameters from dp replica 0")
+            wait(work, f"the broadcast of stage {stage}'s parameters from {who} 0")
             if not sending:
                 for t, at in members:
                     n = t.numel() * t.element_size()

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -18,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 from meshpipe.errors import PipelineError
 from meshpipe.parallel.conv1d import Conv1DColwise, Conv1DRowwise, is_conv1d
 
-__all__ = ["check_tp_plan", "apply_tp", "resolve_plan"]
+__all__ = ["check_tp_plan", "apply_tp", "resolve_plan", "whole_over_tp"]
 
 
 def resolve_plan(
@@ -102,6 +104,15 @@ def check_tp_plan(
                 f"tp_plan pattern {pattern!r} matches no module of the model; module names look "
                 f"like {names}"
             )
+
+
+def whole_over_tp(p: torch.Tensor) -> bool:
+    """Whether every tp rank holds all of ``p``: a plain tensor, or a DTensor replicated on
+    the mesh's ``tp`` axis (or on a mesh without one: FSDP2's over dp)."""
+    if not isinstance(p, DTensor):
+        return True
+    names = p.device_mesh.mesh_dim_names or ()
+    return "tp" not in names or isinstance(p.placements[names.index("tp")], Replicate)
 
 
 def apply_tp(

@@ -21,26 +21,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from meshpipe.errors import PipelineError
+from meshpipe.parallel.tp import whole_over_tp
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
 from meshpipe.runtime.mesh.topology import Topology
 
-__all__ = ["TpGradCheck", "spread", "whole_over_tp"]
+__all__ = ["TpGradCheck", "spread"]
 
 # two copies of one gradient differ by at most this, relative to the larger (a correct plan
 # gives equal bits: the tp ranks compute it from the same all-reduced values)
 RTOL = 1e-4
 _SHOWN = 6  # parameters named in the message
-
-
-def whole_over_tp(p: torch.Tensor) -> bool:
-    """Whether every tp rank holds all of ``p`` (its gradient must then agree over tp)."""
-    if not isinstance(p, DTensor):
-        return True
-    names = p.device_mesh.mesh_dim_names or ()
-    return "tp" not in names or isinstance(p.placements[names.index("tp")], Replicate)
 
 
 def _fingerprints(params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -26,6 +26,7 @@ from meshpipe.parallel.fsdp import fsdp_gather, fsdp_rest, gather_before, lend_p
 from meshpipe.parallel.fsdp_plan import plan_fsdp
 from meshpipe.parallel.replicas import broadcast_replicas
 from meshpipe.parallel.tied_tp import TiesKept, shared_within, tied_mismatches
+from meshpipe.parallel.tp import whole_over_tp
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.schedule.ir import Action, Op, Schedule
@@ -291,6 +292,14 @@ class Spmd:
                 self._ties.keep(module, before)
             except ValueError as e:
                 raise PipelineError(f"stage {stage}: {e}") from None
+            if topo.tp_size > 1:  # what each tp rank holds whole: tp rank 0's (the shards
+                # are tp rank 0's already: torch's styles scatter them from it)
+                split_ids = {id(p) for p in module.parameters() if not whole_over_tp(p)}
+                broadcast_replicas(
+                    module, topo.tp_mesh.get_group(), stage, topo.device,
+                    lambda work, what: wait_bounded(work, timeout, what, None),
+                    skip=self._made_equal | split_ids, who="tp rank",
+                )  # fmt: skip
         if topo.dp_group is not None:  # what an earlier stage of this process made equal: not
             broadcast_replicas(  # again (a tied weight it shares, already its FSDP2 shard)
                 module, topo.dp_group, stage, topo.device,
