@@ -61,9 +61,15 @@ def _cases(_: None = None) -> dict[str, Any]:
     out["checkpointing"] = _outcome(lambda: recompute.step(x, target=y))
     chunks = meshpipe.Pipeline(
         blocks(4), mesh, "1f1b", 2, loss_fn=mse, timeout=60,
-        chunk_spec={0: 0} if rank == 0 else None,
+        chunk_spec={0: 1} if rank == 0 else None,
     )  # fmt: skip
     out["chunk_spec"] = _outcome(lambda: chunks.step(x, target=y))
+    # the default spelled out (argument 0 on dim 0) cuts alike: accepted
+    default = meshpipe.Pipeline(
+        blocks(4), mesh, "1f1b", 2, loss_fn=mse, timeout=60,
+        chunk_spec={0: 0} if rank == 0 else None,
+    )  # fmt: skip
+    out["chunk_spec_default"] = _outcome(lambda: default.step(x, target=y))
 
     def no_grad_everywhere() -> None:
         with torch.no_grad():
@@ -171,7 +177,8 @@ def test_pipelines_built_from_other_split_points_or_checkpointing_stop(
           "activation_checkpointing ['full', None]",
           "activation_checkpointing [None, None]")  # fmt: skip
     _both(results, "chunk_spec", "PipelineError", "built their Pipeline differently",
-          "chunk_spec {0: 0}, rank 1 passed")  # fmt: skip
+          "chunk_spec {0: 1}, rank 1 passed")  # fmt: skip
+    _both(results, "chunk_spec_default", "none")
 
 
 def test_step_under_no_grad_is_refused(results: list[Any]) -> None:

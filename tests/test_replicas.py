@@ -227,10 +227,14 @@ def test_replicas_start_equal_and_train_as_one_process(
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_one_broadcast_per_stage_where_dp_is_split(four: list[dict[str, Any]], case: str) -> None:
+def test_one_broadcast_per_stage_and_split_axis(four: list[dict[str, Any]], case: str) -> None:
+    """One coalesced broadcast over dp where dp is split, and one over tp where tp is (what
+    each tp rank holds whole, from tp rank 0)."""
     for rank, res in enumerate(four):
-        # stage meshes: the tp=2 stage (processes 2, 3) has no dp replicas to make equal
-        expected = 0 if case.startswith("stage") and rank >= 2 else 1
+        if case.startswith("stage"):  # processes 0, 1: the dp=2 stage; 2, 3: the tp=2 one
+            expected = 1
+        else:
+            expected = 1 + ("tp2" in case)
         assert four[rank][case]["broadcasts_per_stage"] == expected, (rank, res[case])
 
 

@@ -51,8 +51,9 @@ def build_text(
     else:
         cut = f"split_points {list(split_points)}"
     text = f"{cut}; activation_checkpointing {_policy_text(policy)}; dp {dp!r}"
-    if chunk_spec is not None:
-        spec = sorted((str(k), repr(v)) for k, v in chunk_spec.items())
+    # an entry of dim 0 is the default spelled out: it cuts as no entry does
+    spec = sorted((str(k), repr(v)) for k, v in (chunk_spec or {}).items() if repr(v) != "0")
+    if spec:
         text += "; chunk_spec {" + ", ".join(f"{k}: {v}" for k, v in spec) + "}"
     return text
 

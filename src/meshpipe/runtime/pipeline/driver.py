@@ -164,7 +164,15 @@ class StepDriver:
         ``before_finish`` (failing there is failing in the step); a failed step joins the
         closing collective (runtime/failures/closing.py) and raises its error."""
         schedule, runners, _call, training, gate, _spec = run
-        mbs, signatures, rows = self.inputs.prepare(run)
+        try:
+            mbs, signatures, rows = self.inputs.prepare(run)
+        except PipelineError as e:
+            # refused at the gate while cutting the microbatches failed here (another chunk
+            # spec): the peers, refused at theirs, close the step with end markers
+            if getattr(e, "meshpipe_refusal", False):
+                blank = [None] * schedule.num_microbatches
+                self._comm(schedule, blank, [0] * len(blank)).close_refused()
+            raise
         comm = self._comm(schedule, signatures, rows)
         comm.gate = gate
         # step and eval_step (the only call with ``before_finish``: its scoring) close on
