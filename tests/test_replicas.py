@@ -231,10 +231,8 @@ def test_one_broadcast_per_stage_and_split_axis(four: list[dict[str, Any]], case
     """One coalesced broadcast over dp where dp is split, and one over tp where tp is (what
     each tp rank holds whole, from tp rank 0)."""
     for rank, res in enumerate(four):
-        if case.startswith("stage"):  # processes 0, 1: the dp=2 stage; 2, 3: the tp=2 one
-            expected = 1
-        else:
-            expected = 1 + ("tp2" in case)
+        # stage meshes: processes 0, 1 hold the dp=2 stage, 2, 3 the tp=2 one
+        expected = 1 if case.startswith("stage") else 1 + ("tp2" in case)
         assert four[rank][case]["broadcasts_per_stage"] == expected, (rank, res[case])
 
 
