@@ -50,7 +50,11 @@ class ContextParallel:
             self.attention.lengths = set(self.inputs.last_lengths)
             return cut
         except Exception:
-            gate()
+            try:
+                gate()
+            except PipelineError as refusal:  # the peers refuse at their gate alike
+                refusal.meshpipe_refusal = True  # type: ignore[attr-defined]
+                raise
             raise
 
     def _agree(self, call: Call, values: bool) -> None:

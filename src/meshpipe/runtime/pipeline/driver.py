@@ -141,6 +141,15 @@ class StepDriver:
             return lambda: None
         return gate
 
+    def close_refused(self, schedule: Schedule, e: BaseException) -> None:
+        """A call refused at its gate before this process made the step's channels (its
+        microbatches or cp chunks could not be cut, e.g. another chunk spec): its peers,
+        refused at their gate as the first transfer began, close the step with end
+        markers, so this process sends and reads them too."""
+        if getattr(e, "meshpipe_refusal", False):
+            blank = [None] * schedule.num_microbatches
+            self._comm(schedule, blank, [0] * len(blank)).close_refused()
+
     def _comm(self, schedule: Schedule, signatures: list[Any], rows: list[int]) -> Comm:
         topo = self.topology
         key = id(schedule)
@@ -167,11 +176,7 @@ class StepDriver:
         try:
             mbs, signatures, rows = self.inputs.prepare(run)
         except PipelineError as e:
-            # refused at the gate while cutting the microbatches failed here (another chunk
-            # spec): the peers, refused at theirs, close the step with end markers
-            if getattr(e, "meshpipe_refusal", False):
-                blank = [None] * schedule.num_microbatches
-                self._comm(schedule, blank, [0] * len(blank)).close_refused()
+            self.close_refused(schedule, e)
             raise
         comm = self._comm(schedule, signatures, rows)
         comm.gate = gate

@@ -276,7 +276,11 @@ class Pipeline(PipelineViews):
         spec = CallSpec(what, schedule, *call)
         gate = self._driver.check_call(spec, modes, has_loss, split_pending=pending)
         if self._cp is not None:
-            call = self._cp.cut(call, gate, self.check_inputs)
+            try:
+                call = self._cp.cut(call, gate, self.check_inputs)
+            except PipelineError as e:
+                self._driver.close_refused(schedule, e)
+                raise
         self._ensure_split(call[0], call[1])
         return call, gate
 
