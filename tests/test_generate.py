@@ -146,6 +146,7 @@ def _greedy(
     num_stages: int,
     every_lane: bool = True,
     num_layers: int = 4,
+    keep: dict[str, Any] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Tokens vs Hugging Face, without EOS and with an EOS some rows produce mid-way. With
@@ -179,6 +180,8 @@ def _greedy(
     res["padded rows after eos"] = int((with_eos[:, ids.shape[1] :] == 1).sum())
     if pipe.topology.tp_size > 1:  # the stages really hold tp shards (DTensors)
         res["tp shards"] = any(type(p).__name__ == "DTensor" for p in pipe.parameters())
+    if keep is not None:  # the Pipeline, for the sampling cases (a traced split costs ~5 s)
+        keep["pipe"] = pipe
     if not every_lane:
         return res
     # the stop read every 4 tokens (CUDA's default is 8): the same tokens, fewer host reads
@@ -196,17 +199,6 @@ def _greedy(
     on_ring = reads[1] > 0 or not pipe.topology.stage_meshes
     res["fewer host reads"] = (0 < reads[4] <= reads[1] // 2) if on_ring else reads[4] == 0
     return res
-
-
-def _sampling(mesh: Any, num_stages: int, **options: Any) -> meshpipe.Pipeline:
-    """Llama for the sampling cases; one Pipeline serves several calls (a seeded call's
-    tokens depend on nothing an earlier call left behind): each traced split costs ~5 s."""
-    import split_models as sm
-
-    torch.manual_seed(0)
-    return meshpipe.Pipeline(
-        sm.llama(4).eval(), mesh, "1f1b", 2, split_points=_points("llama", num_stages), **options
-    )
 
 
 def _sampled(pipe: meshpipe.Pipeline, lanes: int | None, seed: int) -> list[list[int]]:
@@ -302,12 +294,14 @@ def _worker() -> dict[str, Any]:
     tp2 = meshpipe.init_mesh(pp=2, tp=2)
     # stage 0 on two dp processes (the second waits for the tokens), stage 1 on two tp
     staged = meshpipe.init_stage_meshes([{"dp": 2}, {"tp": 2}])
+    # the same Llama (seed 0) as _sampling's: its Pipelines serve the sampling cases too
+    kept: dict[str, dict[str, Any]] = {k: {} for k in ("staged", "tp2", "pp2", "pp4")}
     res: dict[str, Any] = {
-        "llama stage meshes": _greedy("llama", staged, 2, tp_plan="auto"),
-        "llama pp2 tp2": _greedy("llama", tp2, 2, tp_plan="auto"),
-        "llama pp2": _greedy("llama", pp2, 2),
+        "llama stage meshes": _greedy("llama", staged, 2, tp_plan="auto", keep=kept["staged"]),
+        "llama pp2 tp2": _greedy("llama", tp2, 2, tp_plan="auto", keep=kept["tp2"]),
+        "llama pp2": _greedy("llama", pp2, 2, keep=kept["pp2"]),
         "gpt2 pp2": _greedy("gpt2", pp2, 2),
-        "llama pp4": _greedy("llama", pp4, 4),
+        "llama pp4": _greedy("llama", pp4, 4, keep=kept["pp4"]),
         "mistral pp4": _greedy("mistral", pp4, 4, every_lane=False),
         # per-head q/k norms replicated over tp (ReplicatedGradSum); a fused qkv
         "qwen3 pp2 tp2": _greedy("qwen3", tp2, 2, every_lane=False, tp_plan="auto"),
@@ -315,14 +309,14 @@ def _worker() -> dict[str, Any]:
         "mixtral pp2 tp2": _greedy("mixtral", tp2, 2, every_lane=False, tp_plan="auto"),
         "gemma3 pp4": _greedy("gemma3", pp4, 4, every_lane=False),
     }
-    on_pp2, on_pp4 = _sampling(pp2, 2), _sampling(pp4, 4)
+    on_pp2, on_pp4 = kept["pp2"]["pipe"], kept["pp4"]["pipe"]
     res["sampled"] = {
         "pp2 lanes=1": _sampled(on_pp2, 1, seed=7),
         "pp2 lanes=3": _sampled(on_pp2, 3, seed=7),
         "pp4 lanes=4": _sampled(on_pp4, None, seed=7),
         "pp4 seed 8": _sampled(on_pp4, None, seed=8),
-        "pp2 tp2": _sampled(_sampling(tp2, 2, tp_plan="auto"), None, seed=7),
-        "stage meshes": _sampled(_sampling(staged, 2, tp_plan="auto"), None, seed=7),
+        "pp2 tp2": _sampled(kept["tp2"]["pipe"], None, seed=7),
+        "stage meshes": _sampled(kept["staged"]["pipe"], None, seed=7),
     }
     res["trace"] = _trace(on_pp4)
     res["train"] = _train_after_generate(pp4)
