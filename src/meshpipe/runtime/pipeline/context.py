@@ -16,6 +16,7 @@ from torch import nn
 
 from meshpipe.errors import PipelineError
 from meshpipe.parallel.cp import CpAttention
+from meshpipe.runtime.checks.agree import pass_gate
 from meshpipe.runtime.checks.values import fingerprint
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.topology import Topology
@@ -50,11 +51,7 @@ class ContextParallel:
             self.attention.lengths = set(self.inputs.last_lengths)
             return cut
         except Exception:
-            try:
-                gate()
-            except PipelineError as refusal:  # the peers refuse at their gate alike
-                refusal.meshpipe_refusal = True  # type: ignore[attr-defined]
-                raise
+            pass_gate(gate)  # the peers refuse at their gate alike
             raise
 
     def _agree(self, call: Call, values: bool) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from meshpipe.errors import PipelineError
+from meshpipe.runtime.checks.agree import pass_gate
 from meshpipe.runtime.mesh.stage_meshes import local_part
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.runtime.step.microbatch import (
@@ -58,11 +58,7 @@ class CallInputs:
             check_traced_shapes(stages, mbs.args, mbs.kwargs)  # before any transfer
             self.whole_rows = whole.sizes
         except Exception:
-            try:  # a difference between the ranks is the better message, and is collective
-                gate()
-            except PipelineError as refusal:  # the peers refuse at their gate alike
-                refusal.meshpipe_refusal = True  # type: ignore[attr-defined]
-                raise
+            pass_gate(gate)  # a difference between the ranks is the better message
             raise
         self.last_mbs = mbs
         for r in runners.values():
