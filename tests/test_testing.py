@@ -5,11 +5,17 @@ are reported per rank; spawn still works."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
 
 from meshpipe.testing import RankFailure, run_on_ranks
+
+try:  # imported at collection, before the fork server starts, as a test module would
+    import transformers
+except ImportError:  # pragma: no cover - transformers is in the test extras
+    transformers = None
 
 CALLS = 0  # module state: a rank that saw another call's state would count past 1
 
@@ -46,6 +52,24 @@ def test_each_call_gets_fresh_ranks_with_the_callers_environment(
     ]
     with pytest.raises(ValueError, match="start_method"):
         run_on_ranks(_probe, 2, "X", start_method="threads")
+
+
+def _imported(names: tuple[str, ...]) -> list[bool]:
+    return [name in sys.modules for name in names]
+
+
+@pytest.mark.skipif(transformers is None, reason="needs transformers")
+def test_ranks_start_with_transformers_imported_when_the_caller_has_it() -> None:
+    """The fork server imports transformers' core once where the caller has imported
+    transformers, so a rank that builds a Hugging Face model does not pay ~2 s for it."""
+    from meshpipe.testing import PRELOAD_TRANSFORMERS
+
+    ranks = run_on_ranks(_imported, 2, PRELOAD_TRANSFORMERS, timeout=60)
+    assert ranks == [[True] * len(PRELOAD_TRANSFORMERS)] * 2
+    # a fresh interpreter has imported this module (so transformers) to find the function,
+    # and nothing of transformers' models
+    spawned = run_on_ranks(_imported, 1, PRELOAD_TRANSFORMERS, start_method="spawn", timeout=120)
+    assert spawned == [[True] + [False] * (len(PRELOAD_TRANSFORMERS) - 1)]
 
 
 def test_a_failing_rank_and_a_hanging_rank_are_both_reported() -> None:

@@ -8,6 +8,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -26,6 +27,22 @@ PRELOAD = (
     "meshpipe.parallel",
     "meshpipe.checkpoint",
 )
+# preloaded too when the caller has imported transformers before the server starts (a test
+# module that builds Hugging Face models): its import and first model cost about 2 s of CPU
+# per rank otherwise
+PRELOAD_TRANSFORMERS = (
+    "transformers",
+    "transformers.configuration_utils",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+)
+
+
+def _preload() -> list[str]:
+    """The modules the fork server imports once: ``PRELOAD``, and transformers' core where the
+    calling process has imported transformers (the server ignores a module it cannot import)."""
+    extra = PRELOAD_TRANSFORMERS if "transformers" in sys.modules else ()
+    return [*PRELOAD, *extra]
 
 
 class RankFailure(RuntimeError):
@@ -67,7 +84,7 @@ def _context(start_method: str | None, device: str) -> Any:
         )
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (once)
+        ctx.set_forkserver_preload(_preload())  # read when the server starts (once)
     return ctx
 
 
