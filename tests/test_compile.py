@@ -178,7 +178,8 @@ def test_a_packed_message_does_not_recompile_the_stage_it_feeds() -> None:
     quiet_transformers()
     ids, mask, _ = tokens(batch=2)
     first, last = meshpipe.split(llama(2), points=["model.layers.1"], example_args=(ids,))
-    compile_stage(last, {"dynamic": True, "backend": "aot_eager"})  # as a stage becomes once a sequence length changes
+    # as a stage becomes once a sequence length changes
+    compile_stage(last, {"dynamic": True, "backend": "aot_eager"})
     sent = first(None, (ids,), {})  # the rotary pair, the hidden states (needing grads)
     assert len(sent) >= 3, [tuple(t.shape) for t in sent]
     _, _, packed = wire.unpack(wire.pack(Transfer("act", 0, 1, 0), sent))

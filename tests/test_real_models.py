@@ -184,19 +184,27 @@ def _qwen3_tp(mesh: Any) -> dict[str, Any]:
     return {**gaps, "norms": len(norms), "norms_whole": whole}
 
 
-def _deepseek_tp(mesh: Any) -> dict[str, Any]:
+def _deepseek_tp(mesh: Any, compiled: bool = False) -> dict[str, Any]:
     """DeepSeek-V3 with tp_plan="auto": its compressed key/value projection
     ("mla_kv_a_proj") whole on each tp rank, the shared rotary key's gradient summed over
-    tp (parallel/mla.py); 3 AdamW steps against one process."""
+    tp (parallel/mla.py); 3 AdamW steps against one process. ``compiled``: the stages
+    compiled (aot_eager) over the steps' three sequence lengths; before 2026-12-03 dynamo's
+    recompile with symbolic sizes at the second length crashed on the tp DTensors
+    (RecursionError in AOTAutograd, pytorch#152954), now each length compiles on its own."""
+    from torch._dynamo.utils import counters
+
     import split_models as sm
 
     torch.manual_seed(0)
     model = sm.deepseek_v3()
     ref = copy.deepcopy(model)
+    before = counters["stats"]["unique_graphs"]
     pipe = meshpipe.Pipeline(
-        model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan="auto", split_points=["model.layers.2"]
-    )
+        model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan="auto", split_points=["model.layers.2"],
+        compile={"backend": "aot_eager"} if compiled else False,
+    )  # fmt: skip
     gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
+    gaps["graphs"] = counters["stats"]["unique_graphs"] - before
     kv_a = [p for n, p in pipe.named_parameters() if n.endswith("kv_a_proj_with_mqa.weight")]
     from torch.distributed.tensor import DTensor
 
@@ -354,7 +362,8 @@ def _llama_worker() -> dict[str, Any]:
     torch.set_num_threads(1)
     res = _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["qwen3"] = _qwen3_tp(meshpipe.init_mesh(pp=2, tp=2))
-    res["deepseek"] = _deepseek_tp(meshpipe.init_mesh(pp=2, tp=2))
+    # compiled: the eager case's figures and the compile over changing lengths in one
+    res["deepseek"] = _deepseek_tp(meshpipe.init_mesh(pp=2, tp=2), compiled=True)
     res["norms_left_out"] = _qwen3_norms_left_out(meshpipe.init_mesh(pp=2, tp=2))
     fsdp_mesh = meshpipe.init_mesh(pp=1, dp=2, tp=2)
     res["norms_left_out_fsdp"] = _qwen3_norms_left_out(fsdp_mesh, dp="fsdp")
@@ -380,11 +389,15 @@ def test_qwen3_per_head_norms_under_tp_match_one_process() -> None:
 def test_deepseek_latent_attention_under_tp_matches_one_process() -> None:
     """transformers' "mla_kv_a_proj" translated: the key projection whole on every tp rank,
     kv_b_proj split, and 3 AdamW steps as one process (and the tp gradient check passes:
-    without the sum over tp the projection's gradients differ between the tp ranks)."""
+    without the sum over tp the projection's gradients differ between the tp ranks). The
+    stages compiled, the sequence length changing every step: one graph per length on each
+    process's stage (static shapes; dynamo's dynamic recompile crashed on tp DTensors), the
+    latent attention's sum over tp inside the graph."""
     for rank, res in enumerate(_llama_results()):
         r = res["deepseek"]
         assert r["loss"] < ATOL and r["norm"] < ATOL and r["param"] < TP_PARAM_ATOL, (rank, r)
         assert r["kv_a"] == 2 and r["kv_a_whole"] and r["kv_b_split"], (rank, r)
+        assert r["graphs"] == 3, (rank, r)
 
 
 @pytest.mark.parametrize("case", ["norms_left_out", "norms_left_out_fsdp"])

@@ -84,6 +84,13 @@ def compile_stage(module: nn.Module, options: dict[str, Any] | None, index: int 
     chosen = split_backend(backend) if splittable else backend
     if not splittable:
         log.info("stage compiled with one fused backward (backend %r, options %s)", backend, opts)
+    if "dynamic" not in opts and holds_tp_dtensors(module):
+        # torch 2.13: recompiling a stage of tp DTensors with symbolic sizes, as dynamo does
+        # on the second sequence length, recurses until Python's limit in AOTAutograd
+        # (pytorch#152954): compile each shape on its own (up to dynamo's recompile limit,
+        # then that shape runs eager)
+        opts["dynamic"] = False
+        log.info("stage %d holds tp DTensors: compiled with static shapes", index)
     targets = stage_blocks(module, index) if per_block else [("", module)]
     for name, target in targets:
         for part in target.modules():
@@ -94,6 +101,16 @@ def compile_stage(module: nn.Module, options: dict[str, Any] | None, index: int 
         )
         target.forward = torch.compile(entry, backend=chosen, **opts)
     return "split" if splittable else "fused"
+
+
+def holds_tp_dtensors(module: nn.Module) -> bool:
+    """Whether ``module`` has a parameter or buffer laid out over a ``tp`` mesh axis."""
+    from torch.distributed.tensor import DTensor
+
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if isinstance(t, DTensor) and "tp" in (t.device_mesh.mesh_dim_names or ()):
+            return True
+    return False
 
 
 def _own_code(forward: Any, name: str) -> Any:
