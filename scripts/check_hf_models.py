@@ -13,6 +13,7 @@
     .venv/bin/python scripts/check_hf_models.py --adamw --resume '{"schedule": "zbv"}'
     .venv/bin/python scripts/check_hf_models.py --dp 2 --dp-mode fsdp --resume one
     .venv/bin/python scripts/check_hf_models.py --schedule zbv --steps 3 --seqs 12,4,20
+    .venv/bin/python scripts/check_hf_models.py --tp 2 --compile-backend aot_eager --steps 3 --seqs 12,4,20
 
 Each model is built from a small config with random weights (no download), split by name at
 its decoder layers (4, or one per stage where there are more stages), and trained for two
@@ -451,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", default="12", help="sequence length per step, cycled: 12,4,20")
     ap.add_argument("--checkpointing", action="store_true", help='activation_checkpointing="full"')
     ap.add_argument("--compile", action="store_true", help="compile=True (minutes per model)")
+    ap.add_argument("--compile-backend", help="compile with this backend, e.g. aot_eager")
     ap.add_argument(
         "--resume", help="the second step in another layout, loaded from a checkpoint of the "
         'first: "one" (the unsplit model) or JSON, e.g. \'{"schedule": "zbv", "dp_mode": "fsdp"}\'',
@@ -463,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         options["activation_checkpointing"] = "full"
     if args.compile:
         options["compile"] = True
+    if args.compile_backend:
+        options["compile"] = {"backend": args.compile_backend}
     meshes = tuple(json.loads(args.stage_meshes)) if args.stage_meshes else ()
     sc = Scenario(
         schedule=args.schedule, pp=len(meshes) or args.pp, tp=args.tp, dp=args.dp,
