@@ -13,7 +13,7 @@
     .venv/bin/python scripts/check_hf_models.py --adamw --resume '{"schedule": "zbv"}'
     .venv/bin/python scripts/check_hf_models.py --dp 2 --dp-mode fsdp --resume one
     .venv/bin/python scripts/check_hf_models.py --schedule zbv --steps 3 --seqs 12,4,20
-    .venv/bin/python scripts/check_hf_models.py --tp 2 --compile-backend aot_eager --steps 3 --seqs 12,4,20
+    .venv/bin/python scripts/check_hf_models.py --tp 2 --compile-backend aot_eager --seqs 12,4
 
 Each model is built from a small config with random weights (no download), split by name at
 its decoder layers (4, or one per stage where there are more stages), and trained for two
