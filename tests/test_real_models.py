@@ -184,11 +184,11 @@ def _qwen3_tp(mesh: Any) -> dict[str, Any]:
     return {**gaps, "norms": len(norms), "norms_whole": whole}
 
 
-def _deepseek_tp(mesh: Any, compiled: bool = False) -> dict[str, Any]:
+def _deepseek_tp(mesh: Any) -> dict[str, Any]:
     """DeepSeek-V3 with tp_plan="auto": its compressed key/value projection
     ("mla_kv_a_proj") whole on each tp rank, the shared rotary key's gradient summed over
-    tp (parallel/mla.py); 3 AdamW steps against one process. ``compiled``: the stages
-    compiled (aot_eager) over the steps' three sequence lengths; before 2026-12-03 dynamo's
+    tp (parallel/mla.py); 3 AdamW steps against one process, the stages compiled
+    (aot_eager) over the steps' three sequence lengths; before 2026-12-03 dynamo's
     recompile with symbolic sizes at the second length crashed on the tp DTensors
     (RecursionError in AOTAutograd, pytorch#152954), now each length compiles on its own."""
     from torch._dynamo.utils import counters
@@ -201,7 +201,7 @@ def _deepseek_tp(mesh: Any, compiled: bool = False) -> dict[str, Any]:
     before = counters["stats"]["unique_graphs"]
     pipe = meshpipe.Pipeline(
         model, mesh, "1f1b", 4, loss_fn=sm.lm_loss, tp_plan="auto", split_points=["model.layers.1"],
-        compile={"backend": "aot_eager"} if compiled else False,
+        compile={"backend": "aot_eager"},
     )  # fmt: skip
     gaps = _train(pipe, ref, sm.lm_loss, _lm_batches())
     gaps["graphs"] = counters["stats"]["unique_graphs"] - before
@@ -362,8 +362,7 @@ def _llama_worker() -> dict[str, Any]:
     torch.set_num_threads(1)
     res = _llama_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["qwen3"] = _qwen3_tp(meshpipe.init_mesh(pp=2, tp=2))
-    # compiled: the eager case's figures and the compile over changing lengths in one
-    res["deepseek"] = _deepseek_tp(meshpipe.init_mesh(pp=2, tp=2), compiled=True)
+    res["deepseek"] = _deepseek_tp(meshpipe.init_mesh(pp=2, tp=2))
     res["norms_left_out"] = _qwen3_norms_left_out(meshpipe.init_mesh(pp=2, tp=2))
     fsdp_mesh = meshpipe.init_mesh(pp=1, dp=2, tp=2)
     res["norms_left_out_fsdp"] = _qwen3_norms_left_out(fsdp_mesh, dp="fsdp")
