@@ -23,7 +23,7 @@ from meshpipe.testing import free_port, run_on_ranks
 
 from parity import D, OnCall, mse
 
-TIMEOUT = 5.0  # the pipeline's: a frozen process is found when its peers' waits run out
+TIMEOUT = 3.0  # the pipeline's: a frozen process is found when its peers' waits run out
 COORDS = {0: "pp=0, dp=0", 1: "pp=0, dp=1", 2: "pp=1, dp=0", 3: "pp=1, dp=1"}
 
 
