@@ -15,6 +15,7 @@
     .venv/bin/python scripts/check_hf_models.py --schedule zbv --steps 3 --seqs 12,4,20
     .venv/bin/python scripts/check_hf_models.py --tp 2 --compile-backend aot_eager --seqs 12,4
     .venv/bin/python scripts/check_hf_models.py --adamw --steps 3 --seqs 12,4,20 --floor
+    .venv/bin/python scripts/check_hf_models.py --autocast bfloat16 --schedule zbv
 
 Each model is built from a small config with random weights (no download), split by name at
 its decoder layers (4, or one per stage where there are more stages), and trained for two
@@ -39,10 +40,15 @@ the split works; ``meshpipe.testing.weight_work``), or the error raised. Models 
 for a combination meshpipe does not build for them (no tp or ep plan declared, attention
 cp cannot take) are skipped. Exit status 1 if any gap exceeds 1e-5 or any model failed.
 ``--floor``: also run, in this process, the same steps twice in one process, the second
-copy's weights moved by a relative 1e-7 (float32's rounding) and its batch run as two
-halves; that gap is how far float32 alone carries this model from itself (AdamW over a few
+copy's weights moved by a relative 1e-7 (float32's rounding) and its batch run as four
+microbatches; that gap is how far float32 alone carries this model from itself (AdamW over a few
 steps can carry some models past 1e-5: OLMo 2's norms). A gap over 1e-5 but within twice
 the floor prints "noise" (and does not count as a failure); every other rule is unchanged.
+``--autocast bfloat16``: ``Pipeline(autocast=)`` against one process under ``torch.autocast``
+(implies ``--floor``: bf16 rounding, not 1e-5, is then the scale). One process's gradients
+are always taken as a Pipeline takes those of a ``(sum, count)`` loss: backward from the
+sum, then divided by the count (in float32 the same as from ``sum / count`` within rounding;
+in bf16 about 1e-3 apart, as bf16 rounds the backward's values at another scale).
 The suite checks a few of these (tests/test_real_models.py); this runs the wider set by
 hand (minutes).
 """
@@ -225,11 +231,36 @@ class _Data:
     target: torch.Tensor
     loss_fn: Any
     kw: dict[str, torch.Tensor]  # the attention mask, unless cp cuts the sequence
+    autocast: torch.dtype | None = None  # the model and the loss run under torch.autocast
+
+    def pair(self, model: torch.nn.Module, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, token count) of rows ``part`` through ``model``, in one process."""
+        kw = {k: v[part] for k, v in self.kw.items()}
+        with torch.autocast(
+            "cpu", dtype=self.autocast or torch.bfloat16, enabled=bool(self.autocast)
+        ):
+            out = model(input_ids=self.ids[part], **kw)
+            return self.loss_fn(out, self.target[part])  # type: ignore[no-any-return]
 
     def ref_loss(self, model: torch.nn.Module, part: slice) -> torch.Tensor:
-        kw = {k: v[part] for k, v in self.kw.items()}
-        total, count = self.loss_fn(model(input_ids=self.ids[part], **kw), self.target[part])
-        return total / count  # type: ignore[no-any-return]
+        total, count = self.pair(model, part)
+        return total / count
+
+    def backward(self, model: torch.nn.Module, parts: list[slice], scale: float = 1.0) -> float:
+        """The loss of rows ``parts`` through ``model`` (their sums over their counts); the
+        gradients of ``scale`` x it added to ``.grad`` as a Pipeline computes those of a
+        (sum, count) loss: backward from the sum, then divided by the count. (Under
+        autocast that is not bf16's rounding of backward from sum / count: 1e-3 apart.)"""
+        pairs = [self.pair(model, part) for part in parts]
+        total, count = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(total, params, allow_unused=True)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                if g is not None:
+                    g = g * (scale / count)
+                    p.grad = g if p.grad is None else p.grad + g
+        return float((total / count).detach())
 
 
 def _data(sc: Scenario, causal: bool, seq: int = 12, seed: int = 1) -> _Data:
@@ -245,7 +276,8 @@ def _data(sc: Scenario, causal: bool, seq: int = 12, seed: int = 1) -> _Data:
         target = torch.cat([target[:, 1:], torch.full_like(target[:, :1], -100)], dim=1)
         shift = False
     kw = {} if sc.cp > 1 else {"attention_mask": mask}
-    return _Data(ids, mask, target, meshpipe.token_cross_entropy(shift=shift), kw)
+    loss_fn = meshpipe.token_cross_entropy(shift=shift)
+    return _Data(ids, mask, target, loss_fn, kw, sc.options.get("autocast"))
 
 
 def _num_stages(sc: Scenario) -> int:
@@ -286,14 +318,13 @@ class _Alone:
 
     def step(self, ids: torch.Tensor, *, target: torch.Tensor, grad_scale: float | None,
              **kw: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        total, count = self.data.loss_fn(self.model(input_ids=ids, **kw), target)
-        loss = total / count
-        (loss * (grad_scale or 1.0)).backward()
-        return loss.detach()
+        rows = _Data(ids, ids, target, self.data.loss_fn, kw, self.data.autocast)
+        return torch.tensor(rows.backward(self.model, [slice(None)], grad_scale or 1.0))
 
     def eval_step(self, ids: torch.Tensor, *, target: torch.Tensor, **kw: torch.Tensor) -> Any:
+        rows = _Data(ids, ids, target, self.data.loss_fn, kw, self.data.autocast)
         with torch.no_grad():
-            return self.step(ids, target=target, grad_scale=0.0, **kw)
+            return rows.ref_loss(self.model, slice(None))
 
     def no_sync(self) -> Any:
         return contextlib.nullcontext()
@@ -374,14 +405,10 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
             with runner.no_sync():
                 loss = 0.5 * run_pipe(halves[0], 0.5)
             loss += 0.5 * run_pipe(halves[1], 0.5)
-            expected = sum(0.5 * data.ref_loss(ref, h).detach() for h in halves)
-            for h in halves:
-                (0.5 * data.ref_loss(ref, h)).backward()
+            expected = sum(0.5 * data.backward(ref, [h], 0.5) for h in halves)
         else:
             loss = run_pipe(whole, None)
-            expected_t = data.ref_loss(ref, whole)
-            expected_t.backward()
-            expected = expected_t.detach()
+            expected = data.backward(ref, [whole])
         if now.eval_between:  # the loss of the same batch, parameters and gradients untouched
             local = _replica_rows(now, mesh, sc.rows)
             args = {k: v[local] for k, v in data.kw.items()}
@@ -411,7 +438,7 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
 def floor(name: str, sc: Scenario) -> tuple[float, float]:
     """The worst |loss| (or norm) gap and gradient or parameter gap between two runs of
     ``sc``'s steps in one process: the second copy's weights moved by a relative 1e-7 and
-    its batch run as two halves whose (sum, count) losses are totalled."""
+    its batch run as the Pipeline's four microbatches, their (sum, count) losses totalled."""
     model, _, causal = _model(name, max(4, _num_stages(sc)))
     a, b = model, copy.deepcopy(model)
     noise = torch.Generator().manual_seed(5)
@@ -422,18 +449,16 @@ def floor(name: str, sc: Scenario) -> tuple[float, float]:
     opts = [
         (torch.optim.AdamW if sc.adamw else torch.optim.SGD)(m.parameters(), **lr) for m in (a, b)
     ]
-    halves = [slice(0, sc.rows // 2), slice(sc.rows // 2, sc.rows)]
+    # the Pipeline's 4 microbatches (rows cut as it cuts them)
+    quarters = [slice(int(r[0]), int(r[-1]) + 1) for r in torch.arange(sc.rows).tensor_split(4)]
     worst = [0.0, 0.0]
     for step, seq in zip(range(sc.steps), itertools.cycle(sc.seqs)):
         data = _data(sc, causal, seq, seed=1 + step % len(sc.seqs))
-        whole = data.ref_loss(a, slice(0, sc.rows))
-        parts = [data.loss_fn(b(input_ids=data.ids[h], **{k: v[h] for k, v in data.kw.items()}),
-                              data.target[h]) for h in halves]  # fmt: skip
-        split = sum(p[0] for p in parts) / sum(p[1] for p in parts)
-        (whole + split).backward()  # the two models share nothing: each gets its own gradients
+        whole = data.backward(a, [slice(0, sc.rows)])
+        split = data.backward(b, quarters)
         pairs = list(zip(a.parameters(), b.parameters()))
         gap = max((pa.grad - pb.grad).abs().max().item() for pa, pb in pairs)
-        loss_gap = abs(whole.item() - split.item())
+        loss_gap = abs(whole - split)
         if sc.adamw:
             na, nb = (torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) for m in (a, b))
             loss_gap = max(loss_gap, abs(na.item() - nb.item()) / max(na.item(), 1.0))
@@ -498,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="compile=True (minutes per model)")
     ap.add_argument("--compile-backend", help="compile with this backend, e.g. aot_eager")
     ap.add_argument("--floor", action="store_true", help="float32's own gap per model too")
+    ap.add_argument("--autocast", choices=("bfloat16", "float16"),
+                    help="Pipeline(autocast=), one process under it; implies --floor")  # fmt: skip
     ap.add_argument(
         "--resume", help="the second step in another layout, loaded from a checkpoint of the "
         'first: "one" (the unsplit model) or JSON, e.g. \'{"schedule": "zbv", "dp_mode": "fsdp"}\'',
@@ -512,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
         options["compile"] = True
     if args.compile_backend:
         options["compile"] = {"backend": args.compile_backend}
+    if args.autocast:
+        options["autocast"] = getattr(torch, args.autocast)
+        args.floor = True
     meshes = tuple(json.loads(args.stage_meshes)) if args.stage_meshes else ()
     sc = Scenario(
         schedule=args.schedule, pp=len(meshes) or args.pp, tp=args.tp, dp=args.dp,
@@ -551,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             shown += _where([r[f"{name} where"] for r in results])
             if args.floor:
                 floor_loss, floor_grad = floor(name, sc)
-                shown += f"; float32 floor {floor_loss:.1e}, {floor_grad:.1e}"
+                shown += f"; floor {floor_loss:.1e}, {floor_grad:.1e}"
                 pairs = ((loss, floor_loss), (grad, floor_grad))
                 if not ok and all(gap < ATOL or gap <= 2 * f for gap, f in pairs):
                     ok, verdict = True, "noise"
