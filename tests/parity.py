@@ -147,9 +147,15 @@ def adamw_gaps(
 
 
 def autocast_parity(mesh: Any, name: str, seed: int, **options: Any) -> dict[str, float]:
-    """One bf16-autocast step against one process under the same autocast."""
+    """One bf16-autocast step against one process under the same autocast; "not_bf16" is
+    1 unless every linear layer this process ran computed in bf16 (bf16's rounding is within
+    the parity tolerance of fp32's, so parity alone would pass without autocast)."""
     net = blocks(4)
     ref = copy.deepcopy(net)
+    dtypes: list[torch.dtype] = []
+    for module in net.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
     pipe = meshpipe.Pipeline(
         net, mesh, name, num_microbatches=2, loss_fn=mse, autocast=torch.bfloat16, **options
     )
@@ -167,6 +173,7 @@ def autocast_parity(mesh: Any, name: str, seed: int, **options: Any) -> dict[str
         "grads_not_fp32": float(
             any(p.grad is not None and p.grad.dtype != torch.float32 for p in params)
         ),
+        "not_bf16": float(not dtypes or any(d != torch.bfloat16 for d in dtypes)),
     }
 
 
