@@ -130,13 +130,17 @@ def _autocast_fan_out_case(mesh: Any) -> dict[str, float]:
     (before, autocast cached its cast of a stage's input, a leaf there, and added the three
     matmuls' gradients of it in bf16: 1e-3 apart)."""
     out = {}
-    for name in ("1f1b", "zbv"):
+    for name in ("1f1b", "zbv", "1f1b in the caller's autocast"):
         torch.manual_seed(3)
         net = nn.Sequential(*[_FanOut() for _ in range(4)])
         ref = copy.deepcopy(net)
-        pipe = meshpipe.Pipeline(net, mesh, name, 1, loss_fn=mse, autocast=torch.bfloat16)
+        own = name.startswith("1f1b ")  # step() inside the caller's torch.autocast
+        pipe = meshpipe.Pipeline(
+            net, mesh, name.split()[0], 1, loss_fn=mse, autocast=None if own else torch.bfloat16
+        )
         x, y = torch.randn(8, D), torch.randn(8, D)
-        loss = pipe.step(x, target=y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=own):
+            loss = pipe.step(x, target=y)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             expected = mse(ref(x), y)
         expected.backward()

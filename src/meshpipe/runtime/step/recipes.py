@@ -26,7 +26,16 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-__all__ = ["Key", "key_of", "Ref", "Recorder", "recording", "remade", "feeds_a_weight"]
+__all__ = [
+    "Key",
+    "key_of",
+    "Ref",
+    "Recorder",
+    "recording",
+    "remade",
+    "feeds_a_weight",
+    "autocast_on",
+]
 
 Key = tuple[Any, ...]
 
@@ -77,7 +86,7 @@ class Recorder:
         self.made: dict[int, tuple[Ref, Callable[..., Any], list[Any]]] = {}
 
     def note(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if type(out) is not torch.Tensor or _other_hooks(module) or _autocast():
+        if type(out) is not torch.Tensor or _other_hooks(module) or autocast_on():
             return
         if any(type(p) is not nn.Parameter for p in module.parameters(recurse=False)):
             return  # DTensor parameters (tensor parallelism)
@@ -111,7 +120,8 @@ def _other_hooks(module: nn.Module) -> bool:
     )
 
 
-def _autocast() -> bool:
+def autocast_on() -> bool:
+    """Whether torch.autocast is on here (CPU or CUDA)."""
     return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 

@@ -18,6 +18,7 @@ from meshpipe.errors import PipelineError
 from meshpipe.runtime.step.backward import WeightGrad, backward_full, backward_input
 from meshpipe.runtime.step.loss_target import loss_args, target_use
 from meshpipe.runtime.step.pytree import flatten, unflatten
+from meshpipe.runtime.step.recipes import autocast_on
 from meshpipe.runtime.step.recompute import Replay, keeping_nothing, recomputing, replays
 from meshpipe.runtime.step.slim import Boxes, keep_for_weights
 from meshpipe.schedule.ir import Op
@@ -139,9 +140,11 @@ class StageRunner:
 
     def _call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.autocast is None and not self.recompute:  # the usual stage: no context
+            if autocast_on():  # the user's own torch.autocast around step()
+                value = _uncached(value)
             return self._plain_call(value, args, kwargs)
         with self._mixed():
-            if self.autocast is not None:
+            if self.autocast is not None or autocast_on():
                 value = _uncached(value)
             if self.recompute and torch.is_grad_enabled():
                 # keep only the stage's inputs; backward (I, or B) runs the forward again
