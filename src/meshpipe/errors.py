@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 __all__ = [
     "MeshpipeError",
     "ScheduleError",
@@ -67,3 +70,28 @@ class CommTimeoutError(MeshpipeError, TimeoutError):
 
 class RemoteStageError(MeshpipeError, RuntimeError):
     """Another rank of the pipeline failed; this rank stopped instead of waiting forever."""
+
+
+# A refusal: an error raised alike on every rank before anything of the call moved (the
+# call's gradients are dropped, no culprit is sought). Internal helpers, not public names.
+_E = TypeVar("_E", bound=BaseException)
+
+
+def refusal(err: _E) -> _E:
+    """Mark ``err`` a refusal; returns it."""
+    err.meshpipe_refusal = True  # type: ignore[attr-defined]
+    return err
+
+
+def is_refusal(err: BaseException) -> bool:
+    return bool(getattr(err, "meshpipe_refusal", False))
+
+
+def pass_gate(gate: Callable[[], None]) -> None:
+    """Run a call's gate: a PipelineError it raises is a refusal (the gate's verdict is
+    the same on every rank)."""
+    try:
+        gate()
+    except PipelineError as err:
+        refusal(err)
+        raise

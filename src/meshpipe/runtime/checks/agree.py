@@ -45,7 +45,6 @@ from meshpipe.runtime.transfer.exchange import Ahead, Exchange, Routes, exchange
 from meshpipe.schedule.ir import Schedule
 
 __all__ = [
-    "pass_gate",
     "CHECKS",
     "Agreement",
     "CallCheck",
@@ -185,17 +184,6 @@ def _difference(texts: list[dict[str, str]]) -> str:
                 "same structure and shapes"
             )
     return "the pp ranks' calls differ"
-
-
-def pass_gate(gate: Callable[[], None]) -> None:
-    """Run a call's gate where a local failure wants the better message first: a
-    PipelineError it raises is a refusal, the same on every rank (as Comm.pass_gate marks
-    one at the first transfer)."""
-    try:
-        gate()
-    except PipelineError as refusal:
-        refusal.meshpipe_refusal = True  # type: ignore[attr-defined]
-        raise
 
 
 def check_locally(args: tuple[Any, ...], target: Any, training: bool, has_loss: bool) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshpipe.errors import PipelineError
+from meshpipe.errors import PipelineError, refusal
 from meshpipe.parallel.tp import whole_over_tp
 from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
 from meshpipe.runtime.mesh.topology import Topology
@@ -139,5 +139,4 @@ def _refusal(
         "ranks drew different random numbers (dropout) in a replicated region. The step's "
         "gradients were dropped on every process"
     )
-    err.meshpipe_refusal = True  # type: ignore[attr-defined]
-    return err
+    return refusal(err)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshpipe.errors import CommTimeoutError, MeshpipeError, RemoteStageError
+from meshpipe.errors import CommTimeoutError, MeshpipeError, RemoteStageError, is_refusal
 from meshpipe.runtime.failures import waiting
 from meshpipe.runtime.failures.waits import translate
 from meshpipe.runtime.mesh.topology import Topology
@@ -134,7 +134,7 @@ class Blame:
     def claim_first(self, e: BaseException) -> None:
         """Claim the culprit this process knows of: itself for its own error, the process
         it (transitively) waited for after a timeout. Call before telling any peer."""
-        if self.claim is not None or getattr(e, "meshpipe_refusal", False):
+        if self.claim is not None or is_refusal(e):
             return
         try:
             kind = _kind(e)
@@ -243,7 +243,7 @@ class Blame:
         return e
 
     def _name(self, e: BaseException) -> None:
-        if hasattr(e, "meshpipe_culprit") or getattr(e, "meshpipe_refusal", False):
+        if hasattr(e, "meshpipe_culprit") or is_refusal(e):
             return
         if self.claim is None:
             self.claim_first(e)

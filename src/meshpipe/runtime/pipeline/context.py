@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpipe.errors import PipelineError
+from meshpipe.errors import PipelineError, pass_gate
 from meshpipe.parallel.cp import CpAttention
-from meshpipe.runtime.checks.agree import pass_gate
 from meshpipe.runtime.checks.values import fingerprint
 from meshpipe.runtime.failures.waits import wait_work
 from meshpipe.runtime.mesh.topology import Topology

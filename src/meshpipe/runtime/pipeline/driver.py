@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError
+from meshpipe.errors import CommTimeoutError, PipelineError, RemoteStageError, is_refusal, refusal
 from meshpipe.groups import retire, shared
 from meshpipe.parallel.partial import settle_grads
 from meshpipe.runtime.checks.agree import CallCheck, CallSpec
@@ -146,7 +146,7 @@ class StepDriver:
         microbatches or cp chunks could not be cut, e.g. another chunk spec): its peers,
         refused at their gate as the first transfer began, close the step with end
         markers, so this process sends and reads them too."""
-        if getattr(e, "meshpipe_refusal", False):
+        if is_refusal(e):
             blank = [None] * schedule.num_microbatches
             self._comm(schedule, blank, [0] * len(blank)).close_refused()
 
@@ -248,7 +248,7 @@ class StepDriver:
             except PipelineError as refusal:
                 comm.close_refused()
                 return refusal
-        if getattr(e, "meshpipe_refusal", False):  # refused on every rank, nothing moved
+        if is_refusal(e):  # refused on every rank, nothing moved
             comm.close_refused()
             return e
         # after a failed step the channels' state is not proven consistent (a timeout
@@ -404,9 +404,7 @@ class StepDriver:
             self.stop_if_failed(failures)
             if uneven:
                 self.done()  # every rank refuses alike: the channels are in step
-                err = PipelineError(uneven)
-                err.meshpipe_refusal = True  # type: ignore[attr-defined]
-                raise err
+                raise refusal(PipelineError(uneven))
             return loss, scale, weight
         loss_t, scale_t, failures_t, rows_t, weight_t = reduce_loss(
             records, contributes, topo.pp_group, topo.dp_group, topo.device,

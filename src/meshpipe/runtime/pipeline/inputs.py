@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from meshpipe.runtime.checks.agree import pass_gate
+from meshpipe.errors import pass_gate
 from meshpipe.runtime.mesh.stage_meshes import local_part
 from meshpipe.runtime.mesh.topology import Topology
 from meshpipe.runtime.step.microbatch import (

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshpipe.errors import PipelineError
+from meshpipe.errors import PipelineError, is_refusal
 from meshpipe.parallel.hf_plan import auto_ep_plan, auto_tp_plan
 from meshpipe.runtime.checks.agree import CallSpec, check_mode
 from meshpipe.runtime.failures.closing import closing_status, reads_closing
@@ -321,7 +321,7 @@ class Pipeline(PipelineViews):
             with self._tracked(), self._cp_scope():
                 losses = self._driver.run(run)
         except BaseException as e:
-            if getattr(e, "meshpipe_refusal", False):  # nothing ran: gradients as they were
+            if is_refusal(e):  # nothing ran: gradients as they were
                 aside.put_back()
             raise
         self._driver.status.phase = "reduce"
@@ -331,7 +331,7 @@ class Pipeline(PipelineViews):
         try:
             loss = self._driver.reduce(losses, aside.params, gs, self._whole, self._contributes)
         except BaseException as e:
-            if getattr(e, "meshpipe_refusal", False):  # on every rank alike: drop this call's
+            if is_refusal(e):  # on every rank alike: drop this call's
                 aside.held = held
                 aside.put_back()
                 raise

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from meshpipe.errors import CommTimeoutError, PipelineError
+from meshpipe.errors import CommTimeoutError, PipelineError, pass_gate
 from meshpipe.runtime.failures.waits import Watchdog
 from meshpipe.runtime.mesh.layout import (
     Layout,
@@ -220,13 +220,8 @@ class Comm(FailingComm):
     # -- the program --------------------------------------------------------------------
     def pass_gate(self) -> None:
         gate, self.gate = self.gate, None
-        if gate is None:
-            return
-        try:
-            gate()
-        except PipelineError as e:  # the same on every rank: a refusal, nothing moved
-            e.meshpipe_refusal = True  # type: ignore[attr-defined]
-            raise
+        if gate is not None:
+            pass_gate(gate)  # the same on every rank: a refusal, nothing moved
 
     def close_refused(self) -> None:
         """End a step refused at its gate (on every rank alike): end markers only."""
