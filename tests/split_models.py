@@ -84,6 +84,12 @@ def gemma3(num_layers: int = 4) -> nn.Module:
     )
 
 
+def olmo2(num_layers: int = 4) -> nn.Module:
+    """OLMo 2: norms after attention and MLP (post-norm), so a layer's input feeds the q, k
+    and v projections directly; q and k normed over all heads."""
+    return _decoder("Olmo2Config", "Olmo2ForCausalLM", num_layers, max_position_embeddings=32)
+
+
 def tokens(batch: int = 8, seq: int = 10, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Input ids, an attention mask with left padding, and next-token targets."""
     g = torch.Generator().manual_seed(seed)
