@@ -195,4 +195,4 @@ def test_bf16_autocast_without_fsdp_matches_one_process_under_autocast(
 
 
 def test_bf16_autocast_at_one_microbatch_is_one_process_bit_for_bit(results: Any) -> None:
-    check_case(results, "autocast-fan-out", atol=1e-7)
+    check_case(results, "autocast-fan-out", atol=1e-6)  # 0 measured; 3.9e-3 before
