@@ -245,9 +245,9 @@ class StepDriver:
         if comm.gate is not None:  # failed before the gate: a refusal explains it better
             try:
                 comm.pass_gate()
-            except PipelineError as refusal:
+            except PipelineError as refused:
                 comm.close_refused()
-                return refusal
+                return refused
         if is_refusal(e):  # refused on every rank, nothing moved
             comm.close_refused()
             return e
