@@ -55,6 +55,9 @@ gaps 0); with more, each microbatch's matmuls round otherwise and the gaps are t
 With tp, cp or stage meshes the floor also takes autocast's own error (one process under
 autocast against one in float32): their partial sums round in bf16 where one process's
 matmuls do not, so the Pipeline is then held to being as close to one process as bf16 is.
+``--mp-policy`` (with ``--dp-mode fsdp``): FSDP2's bf16 compute with fp32 reductions against
+one process in float32; the floor is then bf16 autocast's own error (a rough scale: FSDP2
+casts every parameter, norms included, so its error may exceed it).
 The suite checks a few of these (tests/test_real_models.py); this runs the wider set by
 hand (minutes).
 """
@@ -456,7 +459,9 @@ def floor(name: str, sc: Scenario, samples: int = 3) -> tuple[float, float]:
     carries a later step (bf16 gradients that differ by 1e-3 move the next loss by 1e-6 -
     1e-4, depending on which roundings flipped)."""
     tries: list[int | None] = list(range(samples))
-    if sc.options.get("autocast") and (sc.tp > 1 or sc.cp > 1 or sc.stage_meshes):
+    if "mp_policy" in sc.options:  # bf16 compute against one process in float32
+        tries = [None]
+    elif sc.options.get("autocast") and (sc.tp > 1 or sc.cp > 1 or sc.stage_meshes):
         # tp's partial sums (cp's partial attention) round in bf16 where one process's
         # matmuls do not: the floor takes autocast's own error too (against float32)
         tries.append(None)
@@ -468,7 +473,8 @@ def floor(name: str, sc: Scenario, samples: int = 3) -> tuple[float, float]:
 
 
 def _floor_once(name: str, sc: Scenario, seed: int | None) -> tuple[float, float]:
-    """One try of ``floor``; seed None: the second copy unmoved, in float32 (no autocast)."""
+    """One try of ``floor``; seed None: the second copy unmoved, in float32 (no autocast),
+    the first under autocast (bf16 with ``mp_policy``, whose reference is float32)."""
     model, _, causal = _model(name, max(4, _num_stages(sc)))
     a, b = model, copy.deepcopy(model)
     noise = torch.Generator().manual_seed(5 + (seed or 0))
@@ -485,7 +491,9 @@ def _floor_once(name: str, sc: Scenario, seed: int | None) -> tuple[float, float
     worst = [0.0, 0.0]
     for step, seq in zip(range(sc.steps), itertools.cycle(sc.seqs)):
         data = _data(sc, causal, seq, seed=1 + step % len(sc.seqs))
-        whole = data.backward(a, [slice(0, sc.rows)])
+        low = data.autocast or ("mp_policy" in sc.options and torch.bfloat16) or None
+        a_data = data if seed is not None else dataclasses.replace(data, autocast=low)
+        whole = a_data.backward(a, [slice(0, sc.rows)])
         b_data = data if seed is not None else dataclasses.replace(data, autocast=None)
         split = b_data.backward(b, parts, each=True)
         pairs = list(zip(a.parameters(), b.parameters()))
@@ -556,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="compile=True (minutes per model)")
     ap.add_argument("--compile-backend", help="compile with this backend, e.g. aot_eager")
     ap.add_argument("--floor", action="store_true", help="float32's own gap per model too")
+    ap.add_argument("--mp-policy", action="store_true",
+                    help="FSDP2 bf16 compute, fp32 reduce; implies --floor")  # fmt: skip
     ap.add_argument("--autocast", choices=("bfloat16", "float16"),
                     help="Pipeline(autocast=), one process under it; implies --floor")  # fmt: skip
     ap.add_argument(
@@ -574,6 +584,15 @@ def main(argv: list[str] | None = None) -> int:
         options["compile"] = {"backend": args.compile_backend}
     if args.autocast:
         options["autocast"] = getattr(torch, args.autocast)
+        args.floor = True
+    if args.mp_policy:
+        if args.dp_mode not in ("fsdp", "hsdp"):
+            ap.error("--mp-policy is FSDP2's: give --dp-mode fsdp or hsdp")
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
         args.floor = True
     meshes = tuple(json.loads(args.stage_meshes)) if args.stage_meshes else ()
     sc = Scenario(
