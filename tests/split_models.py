@@ -84,6 +84,15 @@ def gemma3(num_layers: int = 4) -> nn.Module:
     )
 
 
+def gemma2(num_layers: int = 4) -> nn.Module:
+    """Gemma 2: sliding-window and full attention layers in turn, attention logits soft-capped
+    (eager attention: the mask added to the scores), tied embeddings."""
+    return _decoder(
+        "Gemma2Config", "Gemma2ForCausalLM", num_layers, head_dim=8, sliding_window=4,
+        max_position_embeddings=32,
+    )  # fmt: skip
+
+
 def olmo2(num_layers: int = 4) -> nn.Module:
     """OLMo 2: norms after attention and MLP (post-norm), so a layer's input feeds the q, k
     and v projections directly; q and k normed over all heads."""

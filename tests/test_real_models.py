@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from functools import cache
 from typing import Any
 
@@ -893,7 +894,33 @@ def _llama_full_checkpointing() -> dict[str, Any]:
             "kept_by_schedule": backward_next(pipe.schedule, mesh.get_local_rank("pp")),
         }
     res["olmo2 autocast"] = _olmo2_autocast(mesh)
+    res["gemma2 mp_policy"] = _gemma2_mp_policy(meshpipe.init_mesh(pp=1, dp=2))
     return res
+
+
+def _gemma2_mp_policy(mesh: Any) -> dict[str, float]:
+    """Gemma 2 under FSDP2's bf16 mixed precision over dp=2 (zbv: two traced stages on
+    the one pp rank), rows padded on the left: a finite loss near one process's in
+    float32. Before 2026-12-04 the glue (masks) was traced with the float32 parameters;
+    FSDP2 cast the mask's float32 minimum to bf16 at each layer's input, -inf, and a
+    padded row's attention gave NaN."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = sm.gemma2(num_layers=2)
+    ref = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "zbv", 2, loss_fn=sm.lm_loss, split_points=["model.layers.1"],
+        dp="fsdp", mp_policy=policy,
+    )  # fmt: skip
+    (ids,), kw, target = _lm_batches(seed=23)[0]
+    part = slice(0, 4) if mesh.get_local_rank("dp") == 0 else slice(4, 8)  # this replica's
+    loss = pipe.step(ids[part], target=target[part], **{k: v[part] for k, v in kw.items()}).item()
+    expected = sm.lm_loss(ref(ids, **kw), target).item()
+    return {"loss": loss, "gap": abs(loss - expected)}
 
 
 def _olmo2_autocast(mesh: Any) -> dict[str, float]:
@@ -924,6 +951,12 @@ def test_olmo2_under_bf16_autocast_is_one_process_bit_for_bit() -> None:
     for rank, res in enumerate(_llama_full_results()):
         r = res["olmo2 autocast"]  # 0.0 and 0.0 measured; float32's rounding at most
         assert r["loss"] <= 1e-6 and r["grad"] <= 1e-6, (rank, r)
+
+
+def test_gemma2_under_fsdp_mixed_precision_trains_finite() -> None:
+    for rank, res in enumerate(_llama_full_results()):
+        r = res["gemma2 mp_policy"]  # bf16 compute: about 1e-3 from float32 (NaN before)
+        assert math.isfinite(r["loss"]) and r["gap"] < 2e-2, (rank, r)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])

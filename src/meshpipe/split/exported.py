@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -83,15 +84,39 @@ def _is_block(model: nn.Module, path: str) -> bool:
     return isinstance(parent, (nn.ModuleList, nn.Sequential))
 
 
+@contextmanager
+def parameters_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """The model's floating parameters hold ``dtype`` copies of their values for the
+    block's length (the same Parameter objects: ties kept); their own tensors after it."""
+    if dtype is None:
+        yield
+        return
+    own = [(p, p.data) for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
+    try:
+        for p, data in own:
+            p.data = data.to(dtype)
+        yield
+    finally:
+        for p, data in own:
+            p.data = data
+
+
 def split_exported(
     model: nn.Module,
     points: Sequence[str],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     static_example: Example | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> list[GraphStage]:
     """Split ``model`` at ``points`` by exporting it on the example inputs (and, should a
-    dynamic-shape export fail, with static shapes on ``static_example``)."""
+    dynamic-shape export fail, with static shapes on ``static_example``).
+
+    ``compute_dtype``: the dtype the stages' parameters will compute in (FSDP2's
+    ``param_dtype``), traced with the floating parameters in it, so that the glue between
+    modules is that of the model in that dtype: an attention mask's minimum, BLOOM's alibi
+    (traced in float32 they stay float32, and FSDP2's cast of a unit's inputs turns a mask's
+    float32 minimum into -inf: NaN rows)."""
     if not args and not kwargs:
         raise SplitError(
             f"splitting {type(model).__name__} needs tracing, so it needs example inputs: "
@@ -105,7 +130,8 @@ def split_exported(
                 torch.Tensor, lambda t: t.to(device), static_example
             )
     units = choose_units(model, points)
-    ep, guards, units = export_model(model, args, kwargs, static_example, units)
+    with parameters_in(model, compute_dtype):
+        ep, guards, units = export_model(model, args, kwargs, static_example, units)
     folded = fold_units(ep, units)
     log.info("stages call %d of %d submodules as modules", len(folded), len(units))
     graphs = plan_stages(ep, points, folded)

@@ -42,6 +42,9 @@ class WholeModel:
         self.tied: TiedWeights | None = None
         self._local: dict[int, nn.Module] = {}
         self.points: list[str] = []
+        # the dtype the parameters compute in (FSDP2's param_dtype), if not their own: the
+        # model is traced with its floating parameters in it (see split_exported)
+        self.compute_dtype: torch.dtype | None = None
         if self.stages is None:
             self.points = resolve_points(model, num_stages, split_points, "params", (), {})
             if not needs_tracing(model, self.points):
@@ -77,7 +80,14 @@ class WholeModel:
         ``microbatch`` (the first one) for the static-shape fallback."""
         if self.stages is None:
             self.stages = list(
-                split_exported(self.model, self.points, args, kwargs, static_example=microbatch)
+                split_exported(
+                    self.model,
+                    self.points,
+                    args,
+                    kwargs,
+                    static_example=microbatch,
+                    compute_dtype=self.compute_dtype,
+                )  # fmt: skip
             )
         stages = self.stages
         tied = find_tied(stages)  # before materialising: the same answer on every rank

@@ -163,6 +163,8 @@ class Pipeline(PipelineViews):
         self._whole: WholeModel | None = None
         if WholeModel.wanted(model, split_points):
             self._whole = WholeModel(model, sched.num_stages, split_points, init_fn)  # type: ignore[arg-type]
+            # FSDP2's mixed precision computes in its param_dtype: the glue traced as it runs
+            self._whole.compute_dtype = getattr(mp_policy, "param_dtype", None)
             # with example inputs the split (and tracing) happens here, so parameters exist
             # for the optimizer and checkpoint.load before the first step
             example = (tuple(example_args or ()), dict(example_kwargs or {}), None)
