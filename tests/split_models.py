@@ -93,6 +93,19 @@ def gemma2(num_layers: int = 4) -> nn.Module:
     )  # fmt: skip
 
 
+def bloom(num_layers: int = 4) -> nn.Module:
+    """BLOOM: ALiBi position biases built in the glue, in the hidden states' dtype."""
+    quiet_transformers()
+    import transformers
+
+    cfg = transformers.BloomConfig(
+        n_layer=num_layers, hidden_size=32, n_head=4, vocab_size=VOCAB, use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    built: nn.Module = transformers.BloomForCausalLM(cfg)
+    return built
+
+
 def olmo2(num_layers: int = 4) -> nn.Module:
     """OLMo 2: norms after attention and MLP (post-norm), so a layer's input feeds the q, k
     and v projections directly; q and k normed over all heads."""

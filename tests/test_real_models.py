@@ -895,6 +895,7 @@ def _llama_full_checkpointing() -> dict[str, Any]:
         }
     res["olmo2 autocast"] = _olmo2_autocast(mesh)
     res["gemma2 mp_policy"] = _gemma2_mp_policy(meshpipe.init_mesh(pp=1, dp=2))
+    res["bloom mp_policy dp1"] = _bloom_mp_policy_dp1(mesh)
     return res
 
 
@@ -953,10 +954,31 @@ def test_olmo2_under_bf16_autocast_is_one_process_bit_for_bit() -> None:
         assert r["loss"] <= 1e-6 and r["grad"] <= 1e-6, (rank, r)
 
 
+def _bloom_mp_policy_dp1(mesh: Any) -> dict[str, float]:
+    """BLOOM at pp=2 with dp="fsdp" and mp_policy on a size-1 dp axis, where FSDP2 (and its
+    bf16) is not applied: the glue is traced in float32 as the stages compute (traced in
+    bf16, its ALiBi biases met float32 scores: "Input dtypes must be the same")."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import split_models as sm
+
+    torch.manual_seed(0)
+    model = sm.bloom(num_layers=2)
+    ref = copy.deepcopy(model)
+    pipe = meshpipe.Pipeline(
+        model, mesh, "1f1b", 2, loss_fn=sm.lm_loss, split_points=["transformer.h.1"],
+        dp="fsdp", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    )  # fmt: skip
+    (ids,), kw, target = _lm_batches(seed=29)[0]
+    loss = pipe.step(ids, target=target, **kw).item()
+    return {"gap": abs(loss - sm.lm_loss(ref(ids, **kw), target).item())}
+
+
 def test_gemma2_under_fsdp_mixed_precision_trains_finite() -> None:
     for rank, res in enumerate(_llama_full_results()):
         r = res["gemma2 mp_policy"]  # bf16 compute: about 1e-3 from float32 (NaN before)
         assert math.isfinite(r["loss"]) and r["gap"] < 2e-2, (rank, r)
+        assert res["bloom mp_policy dp1"]["gap"] < ATOL, (rank, res["bloom mp_policy dp1"])
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])

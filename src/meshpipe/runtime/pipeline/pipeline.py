@@ -164,7 +164,9 @@ class Pipeline(PipelineViews):
         if WholeModel.wanted(model, split_points):
             self._whole = WholeModel(model, sched.num_stages, split_points, init_fn)  # type: ignore[arg-type]
             # FSDP2's mixed precision computes in its param_dtype: the glue traced as it runs
-            self._whole.compute_dtype = getattr(mp_policy, "param_dtype", None)
+            # (where FSDP2 applies: dp > 1; one mesh, so every process traces alike)
+            if self._spmd.dp is not None and not topo.stage_meshes:
+                self._whole.compute_dtype = getattr(mp_policy, "param_dtype", None)
             # with example inputs the split (and tracing) happens here, so parameters exist
             # for the optimizer and checkpoint.load before the first step
             example = (tuple(example_args or ()), dict(example_kwargs or {}), None)
