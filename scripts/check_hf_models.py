@@ -357,7 +357,7 @@ class _Alone:
 
 def _resume(
     name: str, sc: Scenario, pipe: meshpipe.Pipeline, opt: torch.optim.Optimizer,
-    data: _Data, num_layers: int, lr: dict[str, float],
+    data: _Data, num_layers: int,
 ) -> tuple[Any, Scenario, Any, torch.optim.Optimizer]:  # fmt: skip
     """Save ``pipe`` and ``opt`` after the first step; load them into ``sc.resume``'s
     layout built from other random weights (so that a load which leaves anything out shows
@@ -373,7 +373,7 @@ def _resume(
         runner, mesh = _Alone(fresh, data), None
     else:
         runner, mesh = _pipeline(sc.resume, fresh, layers, num_layers, data, split_now=True)
-    new_opt = type(opt)(runner.parameters(), **lr)
+    new_opt = _optimizer(sc, runner.parameters())
     ck.load(runner.model if isinstance(runner, _Alone) else runner, path, optimizer=new_opt)
     return runner, sc.resume, mesh, new_opt
 
@@ -402,11 +402,7 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
         return float(runner.step(data.ids[sub], target=data.target[sub], grad_scale=scale, **args))
 
     gaps: list[tuple[float, float]] = []
-    opt_cls = torch.optim.AdamW if sc.adamw else torch.optim.SGD
-    # AdamW's eps well above the float noise of a near-zero gradient: its update g/(|g|+eps)
-    # would otherwise turn a 1e-9 gradient difference into one of the learning rate's order
-    LR: dict[str, float] = {"lr": 0.01, "eps": 1e-2} if sc.adamw else {"lr": 0.1}
-    ref_opt = opt_cls(ref.parameters(), **LR)
+    ref_opt = _optimizer(sc, ref.parameters())
     pipe_opt: torch.optim.Optimizer | None = None
     whole = slice(0, sc.rows)
     halves = [slice(0, sc.rows // 2), slice(sc.rows // 2, sc.rows)]
@@ -415,7 +411,7 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
         loaded_gap = 0.0
         if step == 1 and sc.resume is not None:
             assert pipe_opt is not None
-            runner, now, mesh, pipe_opt = _resume(name, sc, runner, pipe_opt, data, num_layers, LR)
+            runner, now, mesh, pipe_opt = _resume(name, sc, runner, pipe_opt, data, num_layers)
             loaded_gap = _param_gap(runner, ref)
         if now.accumulate:
             with runner.no_sync():
@@ -432,7 +428,7 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
             with torch.no_grad():
                 loss_gap_eval = abs(seen - float(data.ref_loss(ref, whole)))
         if pipe_opt is None:  # the pipeline's parameters exist once it is split
-            pipe_opt = opt_cls(runner.parameters(), **LR)
+            pipe_opt = _optimizer(sc, runner.parameters())
         gap = max(loaded_gap, _grad_gap(runner, ref))
         loss_gap = abs(loss - float(expected))
         if now.eval_between:
@@ -449,6 +445,15 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
             gap = max(gap, _param_gap(runner, ref))
         gaps.append((loss_gap, gap))
     return gaps
+
+
+def _optimizer(sc: Scenario, params: Any) -> torch.optim.Optimizer:
+    """The sweep's optimizer: SGD (lr 0.1), or with ``--adamw`` AdamW (lr 0.01) whose eps
+    lies well above the float noise of a near-zero gradient: its update g/(|g|+eps) would
+    otherwise turn a 1e-9 gradient difference into one of the learning rate's order."""
+    if sc.adamw:
+        return torch.optim.AdamW(params, lr=0.01, eps=1e-2)
+    return torch.optim.SGD(params, lr=0.1)
 
 
 def floor(name: str, sc: Scenario, samples: int = 3) -> tuple[float, float]:
@@ -481,17 +486,16 @@ def _floor_once(name: str, sc: Scenario, seed: int | None) -> tuple[float, float
     with torch.no_grad():
         for p in b.parameters() if seed is not None else ():
             p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=noise))
-    lr: dict[str, float] = {"lr": 0.01, "eps": 1e-2} if sc.adamw else {"lr": 0.1}
-    opts = [
-        (torch.optim.AdamW if sc.adamw else torch.optim.SGD)(m.parameters(), **lr) for m in (a, b)
-    ]
+    opts = [_optimizer(sc, m.parameters()) for m in (a, b)]
     # the Pipeline's microbatches (rows cut as it cuts them)
     cut = torch.arange(sc.rows).tensor_split(sc.microbatches)
     parts = [slice(int(r[0]), int(r[-1]) + 1) for r in cut]
     worst = [0.0, 0.0]
     for step, seq in zip(range(sc.steps), itertools.cycle(sc.seqs)):
         data = _data(sc, causal, seq, seed=1 + step % len(sc.seqs))
-        low = data.autocast or ("mp_policy" in sc.options and torch.bfloat16) or None
+        # seed None: the first copy in bf16 (the run's autocast; with mp_policy, bf16 autocast
+        # as the nearest one-process stand-in for FSDP2's bf16 compute)
+        low = data.autocast or (torch.bfloat16 if "mp_policy" in sc.options else None)
         a_data = data if seed is not None else dataclasses.replace(data, autocast=low)
         whole = a_data.backward(a, [slice(0, sc.rows)])
         b_data = data if seed is not None else dataclasses.replace(data, autocast=None)

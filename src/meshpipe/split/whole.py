@@ -87,7 +87,7 @@ class WholeModel:
                     kwargs,
                     static_example=microbatch,
                     compute_dtype=self.compute_dtype,
-                )  # fmt: skip
+                )
             )
         stages = self.stages
         tied = find_tied(stages)  # before materialising: the same answer on every rank

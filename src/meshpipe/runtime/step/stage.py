@@ -73,12 +73,12 @@ def _uncached(value: Any) -> Any:
     gradient adds theirs in bf16; one process casts that value (not a leaf there) once per
     matmul and adds the gradients in fp32 (OLMo 2 at one microbatch: 3e-3 apart)."""
     leaves, spec = flatten(value)
-    if not any(isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf for t in leaves):
-        return value
     views = [
         t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf else t
         for t in leaves
     ]
+    if all(v is t for v, t in zip(views, leaves)):
+        return value
     return unflatten(views, spec)
 
 
@@ -139,13 +139,11 @@ class StageRunner:
         return torch.autocast(device_type=device, dtype=self.autocast)
 
     def _call(self, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.autocast is not None or autocast_on():  # ours, or the user's around step()
+            value = _uncached(value)
         if self.autocast is None and not self.recompute:  # the usual stage: no context
-            if autocast_on():  # the user's own torch.autocast around step()
-                value = _uncached(value)
             return self._plain_call(value, args, kwargs)
         with self._mixed():
-            if self.autocast is not None or autocast_on():
-                value = _uncached(value)
             if self.recompute and torch.is_grad_enabled():
                 # keep only the stage's inputs; backward (I, or B) runs the forward again
                 return checkpoint(
