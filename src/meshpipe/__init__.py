@@ -38,6 +38,7 @@ _LAZY: dict[str, str] = {
     "init_mesh": "meshpipe.runtime.mesh.topology",
     "init_stage_meshes": "meshpipe.runtime.mesh.stage_meshes",
     "Pipeline": "meshpipe.runtime.pipeline.pipeline",
+    "GradScaler": "meshpipe.runtime.pipeline.scaling",
     "REPLICATE": "meshpipe.runtime.step.microbatch",
     "token_cross_entropy": "meshpipe.runtime.step.loss_modules",
 }

@@ -1,5 +1,6 @@
 """The gradients of parameters every tp rank holds whole agree over tp, checked at the end of
-the first synced step (and of every later one until one passes).
+the first synced step (and of every later one until one passes; a step with a gradient
+that is not finite, a float16 overflow, is not compared).
 
 A tensor-parallel plan that leaves a module whole while that module's output feeds a rank's
 own shard of the work (Qwen 3's per-head ``q_norm`` after a column-wise ``q_proj``, without
@@ -88,7 +89,9 @@ class TpGradCheck:
         topo = self.topo
         device = topo.device
         mine = [p for p in params if whole_over_tp(p)] if topo.tp_size > 1 else []
-        worst = torch.zeros(topo.pp_size, dtype=torch.float64, device=device)
+        # per pp rank its largest gap, and last: 1 where some gradient was not finite (a
+        # float16 step whose loss scale overflowed: nothing to compare, checked next step)
+        worst = torch.zeros(topo.pp_size + 1, dtype=torch.float64, device=device)
         bad: list[int] = []
         if mine:
             local = _fingerprints(mine, device)
@@ -99,20 +102,24 @@ class TpGradCheck:
             work = dist.all_gather(every, local, group=tp_mesh.get_group(), async_op=True)
             what = "the tp ranks' gradient fingerprints (first step)"
             wait_bounded(work, self._timeout, what, watchdog)
-            gaps = spread(torch.stack(every).cpu())
-            bad = [i for i, g in enumerate(gaps.tolist()) if g > RTOL]
-            if bad:
-                worst[topo.pp_rank] = float(gaps.max())
+            rows = torch.stack(every).cpu()
+            if not bool(rows.isfinite().all()):
+                worst[-1] = 1.0
+            else:
+                gaps = spread(rows)
+                bad = [i for i, g in enumerate(gaps.tolist()) if g > RTOL]
+                if bad:
+                    worst[topo.pp_rank] = float(gaps.max())
         groups = [topo.pp_group]
         if topo.dp_group is not None and not topo.stage_meshes:
             groups.append(topo.dp_group)
         for group in groups:
             work = dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group, async_op=True)
             wait_bounded(work, self._timeout, "the tp gradient check's verdict", watchdog)
-        verdict = worst.cpu().tolist()
+        *verdict, unfinished = worst.cpu().tolist()
         culprits = [r for r, v in enumerate(verdict) if v > RTOL]
         if not culprits:
-            self.due = False
+            self.due = unfinished > 0
             return
         raise _refusal(culprits, verdict, [mine[i] for i in bad], self.names)
 

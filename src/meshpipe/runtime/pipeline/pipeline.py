@@ -44,6 +44,7 @@ from meshpipe.runtime.pipeline.modules import (
     warn_padded_labels,
     warn_row_mixing,
 )
+from meshpipe.runtime.pipeline.scaling import GradScaler, loss_scale_of
 from meshpipe.runtime.pipeline.schedules import Schedules
 from meshpipe.runtime.pipeline.views import PipelineViews
 from meshpipe.runtime.step.accumulate import Accumulator, SetAside
@@ -295,6 +296,7 @@ class Pipeline(PipelineViews):
         num_microbatches: int | None = None,
         return_outputs: bool = False,
         grad_scale: float | None = None,
+        scaler: GradScaler | None = None,
         **kwargs: Any,
     ) -> Any:
         """One training step over all microbatches; returns the loss (same on every rank).
@@ -303,14 +305,20 @@ class Pipeline(PipelineViews):
         those of one process running the whole batch (averaged over dp replicas).
         ``num_microbatches`` overrides the pipeline's count for this call (a short last
         batch); ``return_outputs=True`` returns ``(loss, outputs)``, the merged outputs on
-        the ranks holding the last stage and None elsewhere.
+        the ranks holding the last stage and None elsewhere. ``scaler``: a
+        :class:`meshpipe.GradScaler` (float16 loss scaling): the backward starts from the
+        loss times its scale, and the gradients hold that factor until ``scaler.unscale_``
+        or ``scaler.step``; the loss returned is not scaled.
         """
         check_target("step", self.loss_fn, self._loss_use, target)  # before communicating
+        loss_scale = loss_scale_of(scaler, self.topology.device)
         if return_outputs:
             refuse(self._cp, "step(return_outputs=True)")
         sched = self._schedules.training(num_microbatches)
+        scaled = "" if loss_scale is None else ", loss scaler"
         what = (
-            f"step (grad_scale {grad_scale}, {'synced' if self._accumulate.synced else 'no_sync'})"
+            f"step (grad_scale {grad_scale}{scaled}, "
+            f"{'synced' if self._accumulate.synced else 'no_sync'})"
         )
         call, gate = self._begin(what, sched, (args, kwargs, target), training=True)
         if not self._labels_seen and "labels" in kwargs:  # once: reads the labels
@@ -319,6 +327,7 @@ class Pipeline(PipelineViews):
         last = self._runners.get(sched.num_stages - 1)
         if last is not None:
             last.keep_outputs = return_outputs
+            last.loss_scale = loss_scale
         aside = SetAside(list(self.parameters()))
         run = Run(sched, self._runners, call, True, gate, self.chunk_spec)
         try:

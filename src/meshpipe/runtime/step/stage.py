@@ -122,6 +122,9 @@ class StageRunner:
         self._saved: dict[int, _Saved] = {}
         self.outputs: dict[int, Any] = {}  # last stage, inference: outputs per mb
         self.keep_outputs = False  # last stage, training: keep outputs too
+        # last stage, training: the loss scaler's factor, multiplied into each seed
+        # (float16 loss scaling: pipeline/scaling.py); None without one
+        self.loss_scale: torch.Tensor | None = None
         self.released_bytes = 0  # saved tensors dropped between I and W (runtime/step/slim.py)
         self.kept_forwards = 0  # "full": forwards whose activations were kept (see replays)
         # last stage: a context its loss and backward run in (Pipeline(loss_parallel=True))
@@ -343,7 +346,10 @@ class StageRunner:
         """The gradients to run a microbatch's backward from (the loss's seed on the last
         stage), in the layouts of its outputs."""
         if self.is_last:
-            gs: list[torch.Tensor | None] = [saved.seed]
+            seed = saved.seed
+            if self.loss_scale is not None and seed is not None:
+                seed = (seed * self.loss_scale).to(seed.dtype)
+            gs: list[torch.Tensor | None] = [seed]
         else:
             gs = list(grads) if grads is not None else [None] * len(saved.roots)
             if len(gs) != len(saved.roots):
