@@ -55,6 +55,10 @@ gaps 0); with more, each microbatch's matmuls round otherwise and the gaps are t
 With tp, cp or stage meshes the floor also takes autocast's own error (one process under
 autocast against one in float32): their partial sums round in bf16 where one process's
 matmuls do not, so the Pipeline is then held to being as close to one process as bf16 is.
+``--scaler S`` (with ``--autocast float16``): ``meshpipe.GradScaler`` from scale ``S``
+(growing each step without an overflow) against torch's GradScaler in one process: the
+gradients compared after ``unscale_``, and the scales after each update (an overflow must
+skip the step in both).
 ``--mp-policy`` (with ``--dp-mode fsdp``): FSDP2's bf16 compute with fp32 reductions against
 one process in float32; the floor is then bf16 autocast's own error (a rough scale: FSDP2
 casts every parameter, norms included, so its error may exceed it).
@@ -196,6 +200,7 @@ class Scenario:
     # checkpoint of the first step saved under resume_dir
     resume: Scenario | None = None
     resume_dir: str = ""
+    scaler: float = 0.0  # float16 loss scaling from this initial scale (0: none)
 
     @property
     def world(self) -> int:
@@ -257,19 +262,21 @@ class _Data:
         return total / count
 
     def backward(
-        self, model: torch.nn.Module, parts: list[slice], scale: float = 1.0, each: bool = False
-    ) -> float:
+        self, model: torch.nn.Module, parts: list[slice], scale: float = 1.0, each: bool = False,
+        seed: float = 1.0,
+    ) -> float:  # fmt: skip
         """The loss of rows ``parts`` through ``model`` (their sums over their counts); the
         gradients of ``scale`` x it added to ``.grad`` as a Pipeline computes those of a
         (sum, count) loss: backward from the sum (``each``: a backward per part, summed, as
         the Pipeline's microbatches), then divided by the count. (Under autocast that is not
-        bf16's rounding of backward from sum / count: 1e-3 apart.)"""
+        bf16's rounding of backward from sum / count: 1e-3 apart.) ``seed``: the backward
+        starts from it (a loss scale, as torch's GradScaler's ``scale(loss)``)."""
         pairs = [self.pair(model, part) for part in parts]
         total, count = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
         params = [p for p in model.parameters() if p.requires_grad]
         sums: list[torch.Tensor | None] = [None] * len(params)
-        for seed in [p[0] for p in pairs] if each else [total]:
-            grads = torch.autograd.grad(seed, params, allow_unused=True, retain_graph=True)
+        for start in [p[0] for p in pairs] if each else [total]:
+            grads = torch.autograd.grad(start * seed, params, allow_unused=True, retain_graph=True)
             sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
         with torch.no_grad():
             for p, g in zip(params, sums, strict=True):
@@ -399,11 +406,19 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
         local = _replica_rows(now, mesh, part.stop - part.start)
         sub = slice(part.start + (local.start or 0), part.start + (local.stop or part.stop))
         args = {k: v[sub] for k, v in data.kw.items()}
+        if scalers:  # float16 loss scaling
+            args["scaler"] = scalers[0]
         return float(runner.step(data.ids[sub], target=data.target[sub], grad_scale=scale, **args))
 
     gaps: list[tuple[float, float]] = []
     ref_opt = _optimizer(sc, ref.parameters())
     pipe_opt: torch.optim.Optimizer | None = None
+    scalers: list[Any] = []  # with --scaler: the Pipeline's and one process's GradScaler
+    if sc.scaler:
+        kw = {"init_scale": sc.scaler, "growth_interval": 1}  # grows each step without inf
+        scalers = [meshpipe.GradScaler(runner, **kw), torch.amp.GradScaler("cpu", **kw)]
+        scalers[1].scale(torch.ones(()))  # its scale made (the reference seeds by hand)
+    seed = 1.0
     whole = slice(0, sc.rows)
     halves = [slice(0, sc.rows // 2), slice(sc.rows // 2, sc.rows)]
     for step in range(sc.steps):
@@ -413,14 +428,16 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
             assert pipe_opt is not None
             runner, now, mesh, pipe_opt = _resume(name, sc, runner, pipe_opt, data, num_layers)
             loaded_gap = _param_gap(runner, ref)
+        if scalers:
+            seed = scalers[1].get_scale()
         if now.accumulate:
             with runner.no_sync():
                 loss = 0.5 * run_pipe(halves[0], 0.5)
             loss += 0.5 * run_pipe(halves[1], 0.5)
-            expected = sum(0.5 * data.backward(ref, [h], 0.5) for h in halves)
+            expected = sum(0.5 * data.backward(ref, [h], 0.5, seed=seed) for h in halves)
         else:
             loss = run_pipe(whole, None)
-            expected = data.backward(ref, [whole])
+            expected = data.backward(ref, [whole], seed=seed)
         if now.eval_between:  # the loss of the same batch, parameters and gradients untouched
             local = _replica_rows(now, mesh, sc.rows)
             args = {k: v[local] for k, v in data.kw.items()}
@@ -429,6 +446,9 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
                 loss_gap_eval = abs(seen - float(data.ref_loss(ref, whole)))
         if pipe_opt is None:  # the pipeline's parameters exist once it is split
             pipe_opt = _optimizer(sc, runner.parameters())
+        if scalers:  # unscaled, and an overflow found alike
+            scalers[0].unscale_(pipe_opt)
+            scalers[1].unscale_(ref_opt)
         gap = max(loaded_gap, _grad_gap(runner, ref))
         loss_gap = abs(loss - float(expected))
         if now.eval_between:
@@ -438,9 +458,15 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
             ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
             loss_gap = max(loss_gap, abs(norm - ref_norm) / max(ref_norm, 1.0))
             gap = max(gap, _grad_gap(runner, ref))
-        for opt in (ref_opt, pipe_opt):
-            opt.step()
+        for k, opt in enumerate((pipe_opt, ref_opt)):
+            if scalers:  # the same scale after: both skipped the update, or both made it
+                scalers[k].step(opt)
+                scalers[k].update()
+            else:
+                opt.step()
             opt.zero_grad()
+        if scalers and scalers[0].get_scale() != scalers[1].get_scale():
+            gap = float("inf")
         if sc.adamw or sc.resume is not None:
             gap = max(gap, _param_gap(runner, ref))
         gaps.append((loss_gap, gap))
@@ -572,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="FSDP2 bf16 compute, fp32 reduce; implies --floor")  # fmt: skip
     ap.add_argument("--autocast", choices=("bfloat16", "float16"),
                     help="Pipeline(autocast=), one process under it; implies --floor")  # fmt: skip
+    ap.add_argument("--scaler", type=float, default=0.0,
+                    help="meshpipe.GradScaler from this scale (float16 autocast)")  # fmt: skip
     ap.add_argument(
         "--resume", help="the second step in another layout, loaded from a checkpoint of the "
         'first: "one" (the unsplit model) or JSON, e.g. \'{"schedule": "zbv", "dp_mode": "fsdp"}\'',
@@ -607,6 +635,10 @@ def main(argv: list[str] | None = None) -> int:
         seqs=tuple(int(n) for n in args.seqs.split(",")),
         options=options,
     )  # fmt: skip
+    if args.scaler:
+        if args.resume or args.autocast != "float16":
+            ap.error("--scaler needs --autocast float16, and no --resume")
+        sc = dataclasses.replace(sc, scaler=args.scaler)
     if args.resume:
         sc = _with_resume(ap, sc, args.resume)
     names = args.models.split(",")
