@@ -2,6 +2,7 @@
 
     meshpipe launch -n 2 examples/split_llama.py
     meshpipe launch -n 4 examples/split_llama.py --tp 2     # pp=2 x tp=2, tp_plan="auto"
+    meshpipe launch -n 4 examples/split_llama.py --tp 2 --fp16   # float16, loss scaling
     torchrun --nproc-per-node 4 examples/split_llama.py --layers 8
 
 Needs `pip install transformers`; the model is a small random-weight Llama (no download).
@@ -12,6 +13,9 @@ model's own init function. Parameter names stay those of `model.named_parameters
 With --tp 2, each stage is also tensor-parallel with the plan Llama declares itself
 (tp_plan="auto": colwise q/k/v/gate/up, rowwise o/down, a gathered colwise lm_head): the
 stages call the model's own decoder layers as modules, so torch's parallel styles apply.
+With --fp16, the stages compute under float16 autocast and a meshpipe.GradScaler scales the
+loss (float16 gradients underflow without it): its overflow check is agreed by every process,
+so an inf found on one stage skips the optimizer step on all of them.
 """
 
 import argparse
@@ -28,6 +32,7 @@ parser.add_argument("--schedule", default="1f1b")
 parser.add_argument("--microbatches", type=int, default=4)
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside each stage")
+parser.add_argument("--fp16", action="store_true", help="float16 autocast with loss scaling")
 args = parser.parse_args()
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -67,7 +72,12 @@ pipe = meshpipe.Pipeline(
     split_points=points,
     tp_plan="auto" if args.tp > 1 else None,  # the plan the model's config declares
     init_fn=model._init_weights,  # how Hugging Face initialises each module
+    autocast=torch.float16 if args.fp16 else None,
 )
+# float16: the backward starts from loss x scale; scaler.step divides it out, or skips the
+# update on every process when some gradient overflowed (and halves the scale). 2**10 to
+# start: torch's default 2**16 overflows this model's first steps (it would back off alone)
+scaler = meshpipe.GradScaler(pipe, init_scale=2.0**10, enabled=args.fp16)
 
 torch.manual_seed(0)  # same data on every rank: step() is called identically everywhere
 ids = torch.randint(0, config.vocab_size, (8, 16))  # (batch, seq)
@@ -77,14 +87,18 @@ for row in range(ids.shape[0]):
 target = ids.masked_fill(mask == 0, -100)  # labels as Hugging Face takes them: padding ignored
 opt = None
 for step in range(args.steps):
-    loss = pipe.step(ids, target=target, attention_mask=mask)  # first step splits the model
+    # the first step splits the model
+    loss = pipe.step(ids, target=target, attention_mask=mask, scaler=scaler)
     if opt is None:  # parameters exist once the model is split
         opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
-    opt.step()
+    scaler.step(opt)  # opt.step() with the gradients unscaled (without --fp16: opt.step())
+    scaler.update()
     opt.zero_grad()
     local = sum(p.numel() for p in pipe.parameters())
     if mesh.get_local_rank("pp") == 0:
         print(f"step {step}  loss {loss.item():.4f}  parameters on pp rank 0: {local}")
+if args.fp16 and mesh.get_local_rank("pp") == 0:
+    print(f"float16 with loss scale {scaler.get_scale():g} after {args.steps} steps")
 names = [name for name, _ in pipe.named_parameters()]
 print(f"pp rank {mesh.get_local_rank('pp')}: {names[0]} ... {names[-1]}")
 

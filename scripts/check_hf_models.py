@@ -465,8 +465,10 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
             else:
                 opt.step()
             opt.zero_grad()
-        if scalers and scalers[0].get_scale() != scalers[1].get_scale():
-            gap = float("inf")
+        if scalers:
+            if scalers[0].get_scale() != scalers[1].get_scale():
+                gap = float("inf")
+            SKIPPED[name] = SKIPPED.get(name, 0) + (scalers[1].get_scale() < seed)
         if sc.adamw or sc.resume is not None:
             gap = max(gap, _param_gap(runner, ref))
         gaps.append((loss_gap, gap))
@@ -549,6 +551,9 @@ def _param_gap(pipe: Any, ref: torch.nn.Module) -> float:
     return worst
 
 
+SKIPPED: dict[str, int] = {}  # with --scaler: the steps an overflow skipped, per model
+
+
 def _worker(names: list[str], sc: Scenario) -> dict[str, Any]:
     torch.set_num_threads(1)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -560,6 +565,7 @@ def _worker(names: list[str], sc: Scenario) -> dict[str, Any]:
             except Exception as e:  # reported per model, the others still run
                 out[name] = f"{type(e).__name__}: {str(e)[:300]}"
         out[f"{name} where"] = dict(where)
+        out[f"{name} skipped"] = SKIPPED.get(name, 0)
     return out
 
 
@@ -668,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
             shown = f"loss gap {loss:.1e}, gradient gap {grad:.1e}"
             shown += f" (worst of {sc.steps} steps, all ranks)"
             shown += _where([r[f"{name} where"] for r in results])
+            if sc.scaler:  # the same on every rank (else the scales differed: a gap of inf)
+                shown += f"; overflow skipped {results[0][f'{name} skipped']} of {sc.steps}"
             if args.floor:
                 floor_loss, floor_grad = floor(name, sc)
                 shown += f"; floor {floor_loss:.1e}, {floor_grad:.1e}"

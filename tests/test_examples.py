@@ -21,9 +21,9 @@ CASES = {
     "plan": (2, [], r"step\s+(\d+)\s+loss ([\d.]+)", ["<- chosen", "measured/predicted"]),
     "split_llama": (
         4,
-        ["--steps", "5", "--tp", "2"],
+        ["--steps", "5", "--tp", "2", "--fp16"],
         r"step (\d+)\s+loss ([\d.]+)",
-        ["lm_head.weight"],
+        ["lm_head.weight", "float16 with loss scale "],
     ),
 }
 
