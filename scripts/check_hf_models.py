@@ -237,6 +237,19 @@ def _replica_rows(sc: Scenario, mesh: Any, rows: int) -> slice:
     return slice(int(part[0]), int(part[-1]) + 1)
 
 
+def _microbatches(sc: Scenario, part: slice) -> list[slice]:
+    """Rows ``part`` as the Pipeline cuts them: per dp replica, its microbatches (stage
+    meshes: the microbatches of the whole rows)."""
+    rows = torch.arange(part.start, part.stop)
+    replicas = 1 if sc.stage_meshes else sc.dp * sc.dp_replicate
+    out = []
+    for replica in torch.tensor_split(rows, replicas):
+        for mb in torch.tensor_split(replica, sc.microbatches):
+            if len(mb):
+                out.append(slice(int(mb[0]), int(mb[-1]) + 1))
+    return out
+
+
 @dataclass
 class _Data:
     """One batch of a sweep (the same for every step), and what runs it through a model."""
@@ -428,16 +441,25 @@ def check(name: str, sc: Scenario) -> list[tuple[float, float]]:
             assert pipe_opt is not None
             runner, now, mesh, pipe_opt = _resume(name, sc, runner, pipe_opt, data, num_layers)
             loaded_gap = _param_gap(runner, ref)
+        # with a scaler, one process runs the Pipeline's microbatches (a backward each, their
+        # float32 gradients summed): float16 overflows in a weight gradient's matmul over the
+        # whole batch where one over a microbatch's rows may not
         if scalers:
             seed = scalers[1].get_scale()
+
+        def parts(rows: slice) -> list[slice]:
+            return _microbatches(sc, rows) if scalers else [rows]
+
         if now.accumulate:
             with runner.no_sync():
                 loss = 0.5 * run_pipe(halves[0], 0.5)
             loss += 0.5 * run_pipe(halves[1], 0.5)
-            expected = sum(0.5 * data.backward(ref, [h], 0.5, seed=seed) for h in halves)
+            expected = sum(
+                0.5 * data.backward(ref, parts(h), 0.5, each=True, seed=seed) for h in halves
+            )
         else:
             loss = run_pipe(whole, None)
-            expected = data.backward(ref, [whole], seed=seed)
+            expected = data.backward(ref, parts(whole), each=True, seed=seed)
         if now.eval_between:  # the loss of the same batch, parameters and gradients untouched
             local = _replica_rows(now, mesh, sc.rows)
             args = {k: v[local] for k, v in data.kw.items()}
