@@ -135,6 +135,10 @@ def _refusals() -> dict[str, Any]:
     pipe.step(x, target=y, scaler=scaler)
     res["differ"] = refusal(lambda: scaler.unscale_(opt))
     opt.zero_grad()
+    # one rank with a scaler, the other without: the call check refuses it on both
+    alone = meshpipe.GradScaler(pipe, init_scale=SCALE)
+    res["one"] = refusal(lambda: pipe.step(x, target=y, scaler=alone if rank == 0 else None))
+    opt.zero_grad()
     res["after"] = pipe.step(x, target=y).item()
     return res
 
@@ -237,6 +241,7 @@ def test_foreign_scalers_and_differing_scales_are_refused() -> None:
             rank,
             r,
         )
+        assert "loss scaler" in r["one"], (rank, r)
         assert r["after"] > 0.0, (rank, r)
 
 
