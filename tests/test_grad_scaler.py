@@ -1,7 +1,9 @@
 """float16 loss scaling (meshpipe.GradScaler, step(scaler=...)): gradients that underflow in
 float16 without it match one process under torch's GradScaler with it; an overflow found on
-one pp rank skips the optimizer step on every rank; a scaler that is not meshpipe's, or
-scales that differ between processes, are refused. One spawn of 2 processes."""
+one pp rank skips the optimizer step on every rank; a scaler that is not meshpipe's, scales
+that differ between processes, or a scaler on one rank only, are refused; FSDP2's gradient
+shards are unscaled; the tp gradient check waits out an overflowed step. One spawn of 2
+processes."""
 
 from __future__ import annotations
 
