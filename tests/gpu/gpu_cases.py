@@ -246,7 +246,68 @@ def features(device: str) -> dict[str, float]:
         if n in mine
     )
     out.update(_token_mean(mesh, dev))
+    out.update(_fp16_scaler(mesh, dev))
     return out
+
+
+def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, float]:
+    """float16 autocast with ``meshpipe.GradScaler`` at one microbatch, against one process
+    under torch's GradScaler: ``fp16_grad`` the largest relative gradient gap after
+    ``unscale_``; ``fp16_syncs`` the synchronising CUDA calls of ``step(scaler=...)`` (0:
+    the scale is read on the device); ``fp16_skip`` 1.0 when an inf put on pp rank 1's
+    gradients skipped the update on this rank too (parameters unmoved, scale halved)."""
+    torch.manual_seed(0)
+    net = blocks(4)
+    ref = copy.deepcopy(net).to(dev)
+    x, y = torch.randn(16, 16, device=dev), torch.randn(16, 16, device=dev)
+    pipe = meshpipe.Pipeline(
+        net, mesh, "1f1b", 1, loss_fn=mse, autocast=torch.float16, timeout=WAIT
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    scaler = meshpipe.GradScaler(pipe, init_scale=2.0**10)
+    ref_scaler = torch.amp.GradScaler(dev.type, init_scale=2.0**10)
+    pipe.step(x, target=y, scaler=scaler)
+    with torch.autocast(dev.type, dtype=torch.float16):
+        expected = mse(ref(x), y)
+    ref_scaler.scale(expected).backward()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler.unscale_(opt)
+    ref_scaler.unscale_(ref_opt)
+    mine = dict(pipe.named_parameters())
+    gap = max(
+        float((mine[n].grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
+        for n, p in ref.named_parameters()
+        if n in mine
+    )
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    # the scaler's step on the device: the scale multiplied into the seed, no host read
+    for _ in range(2):
+        pipe.step(x, target=y, scaler=scaler)
+        opt.zero_grad()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                pipe.step(x, target=y, scaler=scaler)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    else:
+        pipe.step(x, target=y, scaler=scaler)
+        syncs = 0
+    if mesh.get_local_rank("pp") == 1:
+        next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    scale = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    unmoved = all(bool((p == b).all()) for p, b in zip(pipe.parameters(), before))
+    skipped = float(unmoved and scaler.get_scale() == scale / 2)
+    return {"fp16_grad": gap, "fp16_syncs": float(syncs), "fp16_skip": skipped}
 
 
 def _token_mean(mesh: Any, dev: torch.device) -> dict[str, float]:
