@@ -83,17 +83,22 @@ def _qwen3_fp16() -> dict[str, Any]:
     return res
 
 
-def _overflow_on_one_rank() -> dict[str, Any]:
-    """After the step, the last pp rank alone holds an inf gradient (an overflow there):
-    meshpipe's scaler skips the update on both ranks and halves both scales; torch's own
-    scaler, given the same gradients, steps on the rank that found nothing (what the
-    agreement prevents)."""
+def _toy() -> tuple[meshpipe.Pipeline, torch.optim.Optimizer, torch.Tensor, torch.Tensor, int]:
+    """4 MLP blocks on pp=2, 2 microbatches, with SGD and a batch; and this process's rank."""
     torch.manual_seed(0)
     mesh = meshpipe.init_mesh(pp=2)
     pipe = meshpipe.Pipeline(blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
-    rank = torch.distributed.get_rank()
+    return pipe, opt, x, y, torch.distributed.get_rank()
+
+
+def _overflow_on_one_rank() -> dict[str, Any]:
+    """After the step, the last pp rank alone holds an inf gradient (an overflow there):
+    meshpipe's scaler skips the update on both ranks and halves both scales; torch's own
+    scaler, given the same gradients, steps on the rank that found nothing (what the
+    agreement prevents)."""
+    pipe, opt, x, y, rank = _toy()
     res: dict[str, Any] = {}
     for kind in ("meshpipe", "torch"):
         scaler: Any = meshpipe.GradScaler(pipe, init_scale=SCALE)
@@ -125,12 +130,7 @@ def _overflow_on_one_rank() -> dict[str, Any]:
 def _refusals() -> dict[str, Any]:
     """torch's scaler is refused before the step; scales that differ between the processes
     are refused by unscale_ on both; a step after either runs."""
-    torch.manual_seed(0)
-    mesh = meshpipe.init_mesh(pp=2)
-    pipe = meshpipe.Pipeline(blocks(4), mesh, "1f1b", num_microbatches=2, loss_fn=mse)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
-    rank = torch.distributed.get_rank()
+    pipe, opt, x, y, rank = _toy()
     res: dict[str, Any] = {}
     res["torch"] = refusal(lambda: pipe.step(x, target=y, scaler=torch.amp.GradScaler("cpu")))
     scaler = meshpipe.GradScaler(pipe, init_scale=SCALE if rank == 0 else 2 * SCALE)

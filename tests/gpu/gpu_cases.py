@@ -114,17 +114,19 @@ def _syncs_in_third_step(mesh: Any, name: str, rows: int, **options: Any) -> int
     return _syncs_in_step(pipe, dev, x, y)
 
 
-def _syncs_in_step(pipe: Any, dev: torch.device, x: torch.Tensor, y: torch.Tensor) -> int:
+def _syncs_in_step(
+    pipe: Any, dev: torch.device, x: torch.Tensor, y: torch.Tensor, **step_kwargs: Any
+) -> int:
     """Synchronising CUDA calls in one more step of ``pipe`` (0 on a CPU run, which steps)."""
     if dev.type != "cuda":
-        pipe.step(x, target=y)
+        pipe.step(x, target=y, **step_kwargs)
         return 0
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            pipe.step(x, target=y)
+            pipe.step(x, target=y, **step_kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
@@ -239,15 +241,21 @@ def features(device: str) -> dict[str, float]:
     expected.backward()
     want = float(expected.detach())
     out["autocast_loss"] = abs(float(loss) - want) / abs(want)
+    out["autocast_grad"] = _relative_grad_gap(pipe, ref)
+    out.update(_token_mean(mesh, dev))
+    out.update(_fp16_scaler(mesh, dev))
+    return out
+
+
+def _relative_grad_gap(pipe: Any, ref: nn.Module) -> float:
+    """The largest gradient gap of ``pipe``'s parameters against ``ref``'s, relative to
+    each reference gradient's largest element."""
     mine = dict(pipe.named_parameters())
-    out["autocast_grad"] = max(
+    return max(
         float((mine[n].grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
         for n, p in ref.named_parameters()
         if n in mine
     )
-    out.update(_token_mean(mesh, dev))
-    out.update(_fp16_scaler(mesh, dev))
-    return out
 
 
 def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, float]:
@@ -273,12 +281,7 @@ def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, float]:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     scaler.unscale_(opt)
     ref_scaler.unscale_(ref_opt)
-    mine = dict(pipe.named_parameters())
-    gap = max(
-        float((mine[n].grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
-        for n, p in ref.named_parameters()
-        if n in mine
-    )
+    gap = _relative_grad_gap(pipe, ref)
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
@@ -286,19 +289,7 @@ def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, float]:
     for _ in range(2):
         pipe.step(x, target=y, scaler=scaler)
         opt.zero_grad()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                pipe.step(x, target=y, scaler=scaler)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
-    else:
-        pipe.step(x, target=y, scaler=scaler)
-        syncs = 0
+    syncs = _syncs_in_step(pipe, dev, x, y, scaler=scaler)
     if mesh.get_local_rank("pp") == 1:
         next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
     before = [p.detach().clone() for p in pipe.parameters()]
