@@ -8,6 +8,7 @@ processes."""
 from __future__ import annotations
 
 import copy
+import logging
 from functools import cache
 from typing import Any
 
@@ -50,7 +51,15 @@ def _qwen3_fp16() -> dict[str, Any]:
     )  # fmt: skip
     batches = [sm.tokens(batch=4, seq=8, seed=40 + i) for i in range(3)]
     ids, mask, target = batches[0]
-    # without a scale: every gradient underflows in float16 (the feature's absence)
+    # without a scale: every gradient underflows in float16 (the feature's absence), and
+    # the first such step says so (once)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("meshpipe.runtime.pipeline.scaling").addHandler(handler)
+    for _ in range(2):
+        pipe.step(ids, target=target, attention_mask=mask)
+        pipe.zero_grad()
     pipe.step(ids, target=target, attention_mask=mask)
     unscaled = sum(float(p.grad.abs().sum()) for p in pipe.parameters() if p.grad is not None)
     pipe.zero_grad()
@@ -61,6 +70,7 @@ def _qwen3_fp16() -> dict[str, Any]:
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
     by_name = dict(ref.named_parameters())
     res: dict[str, Any] = {"unscaled": unscaled, "loss": 0.0, "grad": 0.0, "param": 0.0}
+    res["warned"] = said
     for ids, mask, target in batches:
         loss = pipe.step(ids, target=target, attention_mask=mask, scaler=scaler)
         with torch.autocast("cpu", dtype=torch.float16):
@@ -218,6 +228,7 @@ def test_float16_loss_scaling_matches_one_process_under_torchs_scaler() -> None:
     for rank, res in enumerate(_results()):
         r = res["qwen3"]
         assert r["unscaled"] == 0.0, (rank, r)  # float16 lost every gradient without it
+        assert len(r["warned"]) == 1 and "without a loss scaler" in r["warned"][0], (rank, r)
         assert r["scaled"] > 0.0, (rank, r)
         assert r["loss"] <= 1e-6 and r["grad"] <= 1e-6 and r["param"] <= 1e-6, (rank, r)
         assert r["scale"] == r["ref_scale"] == SCALE * 8, (rank, r)  # grew each of 3 steps

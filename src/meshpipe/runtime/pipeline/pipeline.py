@@ -44,7 +44,7 @@ from meshpipe.runtime.pipeline.modules import (
     warn_padded_labels,
     warn_row_mixing,
 )
-from meshpipe.runtime.pipeline.scaling import GradScaler, loss_scale_of
+from meshpipe.runtime.pipeline.scaling import GradScaler, loss_scale_of, warn_unscaled
 from meshpipe.runtime.pipeline.schedules import Schedules
 from meshpipe.runtime.pipeline.views import PipelineViews
 from meshpipe.runtime.step.accumulate import Accumulator, SetAside
@@ -160,6 +160,7 @@ class Pipeline(PipelineViews):
         self._training = initial_mode(model)
         warn_row_mixing(model, self.schedule.num_microbatches)
         self._labels_seen = False  # labels= with padding warned of (first call with them)
+        self._unscaled_warned = False  # float16 autocast without a scaler warned of
         # a whole model goes to meshpipe.split; it may wait for the first call's inputs
         self._whole: WholeModel | None = None
         if WholeModel.wanted(model, split_points):
@@ -312,6 +313,8 @@ class Pipeline(PipelineViews):
         """
         check_target("step", self.loss_fn, self._loss_use, target)  # before communicating
         loss_scale = loss_scale_of(scaler, self.topology.device)
+        if loss_scale is None and not self._unscaled_warned:
+            self._unscaled_warned = warn_unscaled(self._autocast)
         if return_outputs:
             refuse(self._cp, "step(return_outputs=True)")
         sched = self._schedules.training(num_microbatches)

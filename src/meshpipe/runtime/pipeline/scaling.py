@@ -15,6 +15,7 @@ the same factor.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,9 @@ from meshpipe.runtime.failures.waits import wait_bounded
 if TYPE_CHECKING:
     from meshpipe.runtime.pipeline.pipeline import Pipeline
 
-__all__ = ["GradScaler", "loss_scale_of"]
+__all__ = ["GradScaler", "loss_scale_of", "warn_unscaled"]
+
+log = logging.getLogger(__name__)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -137,3 +140,16 @@ def loss_scale_of(scaler: Any, device: torch.device) -> torch.Tensor | None:
     if not scaler.is_enabled():
         return None
     return scaler.scale(torch.ones((), dtype=torch.float32, device=device)).reshape(())
+
+
+def warn_unscaled(autocast: torch.dtype | None) -> bool:
+    """Warn (once per Pipeline: the caller keeps the answer) where a step runs under
+    float16 autocast without a loss scaler. Returns whether it warned."""
+    if autocast != torch.float16:
+        return False
+    log.warning(
+        "step() under autocast=torch.float16 without a loss scaler: gradients below "
+        "float16's range (6e-8) become 0; pass step(..., scaler=meshpipe.GradScaler(pipe)) "
+        "and step the optimizer with scaler.step(opt); scaler.update()"
+    )
+    return True
