@@ -465,8 +465,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="microbatches of the overhead case (default 32; 4 shows a step's fixed costs)",
     )
+    ap.add_argument(
+        "--microbatches",
+        type=int,
+        metavar="N",
+        help="microbatches of the timed step (default 8: on 2 ranks 1f1b's bubble then caps "
+        "the efficiency of any runtime at 8/9)",
+    )
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
+    if args.microbatches:
+        cfg = replace(cfg, num_microbatches=args.microbatches)
     if args.overhead_microbatches:
         cfg = replace(cfg, overhead_microbatches=args.overhead_microbatches)
     if args.schedules:
