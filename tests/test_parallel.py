@@ -146,7 +146,7 @@ def _errors(mesh: Any) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _bf16_case(mesh: Any) -> dict[str, float]:
+def _bf16_case(mesh: Any, schedule: str = "1f1b") -> dict[str, float]:
     """FSDP2 mixed precision: bf16 compute and activations on the wire, fp32 master weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -158,7 +158,7 @@ def _bf16_case(mesh: Any) -> dict[str, float]:
         # the bf16 output upcast: torch 2.11's mse_loss backward refuses bf16 against fp32
         return mse(out.float(), y)
 
-    pipe = meshpipe.Pipeline(net, mesh, "1f1b", 4, loss_fn, dp="fsdp", mp_policy=policy)
+    pipe = meshpipe.Pipeline(net, mesh, schedule, 4, loss_fn, dp="fsdp", mp_policy=policy)
     received: list[torch.dtype] = []
     if mesh.get_local_rank("pp") == 1:  # what arrives over the wire, before FSDP2's cast
         pipe.stages[0].register_forward_pre_hook(
@@ -272,6 +272,12 @@ def _four() -> dict[str, Any]:
     out["errors"] = _errors(tp_mesh)
     out["dtensor_boundary"] = dtensor_case(tp_mesh)
     out["bf16"] = _bf16_case(mesh)
+    # zbv under mp_policy: FSDP2's post-backward, which an I runs, moves W's bf16 .grad into
+    # its float32 accumulator; weight_work counted that as an I changing weight gradients
+    # (and a W that did not) until it read the accumulator (2026-12-04)
+    with weight_work() as where:
+        out["bf16-zbv"] = _bf16_case(mesh, "zbv")
+    out["bf16-zbv-where"] = dict(where)
     out["eval_dp"] = _eval_dp_case(mesh)
     if "zbv" in meshpipe.schedule_names():
         out["reshard_bytes"] = _reshard_bytes(mesh)
@@ -367,6 +373,10 @@ def test_fsdp_mixed_precision(four: list[dict[str, Any]]) -> None:
         bf16 = res["bf16"]
         assert bf16["loss"] < 2e-2, bf16  # bf16 compute: ~3 significant digits
         assert bf16["master_fp32"] == 1.0
+    for rank, res in enumerate(four):
+        assert res["bf16-zbv"]["loss"] < 2e-2, (rank, res["bf16-zbv"])
+        where = res["bf16-zbv-where"]  # 2 stages x 4 microbatches: W does every one's work
+        assert where == {"i_changed": 0, "w_changed": 8, "w": 8}, (rank, where)
     # pp rank 1 (global ranks 2, 3) received its 4 microbatches' activations in bf16
     for res in four[2:]:
         assert res["bf16"]["wire_bf16"] == 1.0 and res["bf16"]["received"] == 4.0

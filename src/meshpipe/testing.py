@@ -246,17 +246,24 @@ def weight_work() -> Iterator[dict[str, int]]:
     import torch
     from torch.distributed.tensor import DTensor
 
+    from meshpipe.parallel.fsdp import held_grads
     from meshpipe.runtime.step.stage import StageRunner
 
     counts = {"i_changed": 0, "w_changed": 0, "w": 0}
     backward, weight = StageRunner.backward, StageRunner.weight
 
+    def total(g: torch.Tensor | None) -> float:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        return float(local.sum()) if isinstance(local, torch.Tensor) else 0.0
+
     def sums(runner: StageRunner) -> list[float]:
-        out = []
-        for p in runner.module.parameters():
-            g = p.grad
-            local = g.to_local() if isinstance(g, DTensor) else g
-            out.append(float(local.sum()) if isinstance(local, torch.Tensor) else 0.0)
+        # FSDP2's parameters: the gradient it holds unsharded (.grad and, under mp_policy,
+        # its float32 accumulator, which its post-backward, run by an I, moves .grad into)
+        # and sharded; not where it moved it
+        held = held_grads(runner.module)
+        managed = {id(p) for h in held for p in h.params}
+        out = [total(h.unsharded) + total(h.sharded) for h in held]
+        out += [total(p.grad) for p in runner.module.parameters() if id(p) not in managed]
         return out
 
     def on_backward(runner: StageRunner, mb: int, grads: Any, split: bool) -> Any:

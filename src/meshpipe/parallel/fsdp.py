@@ -10,8 +10,9 @@ that reaches into its state (the same calls torch.distributed.pipelining makes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -96,6 +97,45 @@ def fsdp_rest(module: nn.Module) -> None:
     update; until the 23rd session, 2026-12-03)."""
     for unit in _units(module):
         unit.reshard()
+
+
+class HeldGrad(NamedTuple):
+    """One FSDP2 parameter's gradient between reductions (see :func:`held_grads`)."""
+
+    params: tuple[nn.Parameter, ...]  # its sharded parameter, and its unsharded one if made
+    unsharded: torch.Tensor | None  # float32: .grad of the unsharded parameter + accumulator
+    sharded: torch.Tensor | None  # the sharded parameter's .grad (after a reduce-scatter)
+
+
+def held_grads(module: nn.Module) -> list[HeldGrad]:
+    """Each FSDP2 parameter of ``module``'s units with the gradients it holds: unsharded,
+    its unsharded parameter's ``.grad`` (in ``param_dtype``) plus FSDP2's float32
+    accumulator (with ``reduce_dtype`` other than ``param_dtype`` its post-backward moves
+    each ``.grad`` there), added elementwise in float32 as FSDP2 adds them, so that a move
+    from one to the other leaves the values as they were, bit for bit; and sharded. Read
+    by meshpipe.testing.weight_work; FSDP2 offers no public call for it."""
+    out: list[HeldGrad] = []
+    for unit in _units(module):
+        state: Any = fully_shard.state(unit)  # type: ignore[attr-defined]
+        for group in _param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                unsharded_param = getattr(fsdp_param, "_unsharded_param", None)
+                grad = None if unsharded_param is None else unsharded_param.grad
+                acc = fsdp_param.unsharded_accumulated_grad
+                if acc is not None and grad is not None:
+                    total: torch.Tensor | None = acc + grad
+                elif grad is not None:
+                    total = grad.float()
+                else:
+                    total = acc
+                sharded_param = fsdp_param.sharded_param
+                params = (
+                    (sharded_param,)
+                    if unsharded_param is None
+                    else (sharded_param, unsharded_param)
+                )
+                out.append(HeldGrad(params, total, sharded_param.grad))
+    return out
 
 
 def _units(module: nn.Module) -> list[FSDPModule]:
