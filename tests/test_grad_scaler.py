@@ -152,6 +152,14 @@ def _refusals() -> dict[str, Any]:
     res["one"] = refusal(lambda: pipe.step(x, target=y, scaler=alone if rank == 0 else None))
     opt.zero_grad()
     res["after"] = pipe.step(x, target=y).item()
+    pipe.zero_grad()
+    # clipping gradients that still hold the scale is refused until unscale_
+    scaler = meshpipe.GradScaler(pipe, init_scale=SCALE)
+    pipe.step(x, target=y, scaler=scaler)
+    res["clip"] = refusal(lambda: pipe.clip_grad_norm_(1.0))
+    scaler.unscale_(opt)
+    res["clipped"] = pipe.clip_grad_norm_(1.0).item()
+    pipe.zero_grad()
     return res
 
 
@@ -255,6 +263,8 @@ def test_foreign_scalers_and_differing_scales_are_refused() -> None:
             r,
         )
         assert "loss scaler" in r["one"], (rank, r)
+        assert "still hold the loss scale: call scaler.unscale_" in r["clip"], (rank, r)
+        assert 0.0 < r["clipped"] < 1e3, (rank, r)  # the unscaled norm (scaled: ~1e5)
         assert r["after"] > 0.0, (rank, r)
 
 

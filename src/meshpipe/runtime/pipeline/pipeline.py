@@ -44,7 +44,12 @@ from meshpipe.runtime.pipeline.modules import (
     warn_padded_labels,
     warn_row_mixing,
 )
-from meshpipe.runtime.pipeline.scaling import GradScaler, loss_scale_of, warn_unscaled
+from meshpipe.runtime.pipeline.scaling import (
+    GradScaler,
+    check_unscaled,
+    loss_scale_of,
+    warn_unscaled,
+)
 from meshpipe.runtime.pipeline.schedules import Schedules
 from meshpipe.runtime.pipeline.views import PipelineViews
 from meshpipe.runtime.step.accumulate import Accumulator, SetAside
@@ -161,6 +166,7 @@ class Pipeline(PipelineViews):
         warn_row_mixing(model, self.schedule.num_microbatches)
         self._labels_seen = False  # labels= with padding warned of (first call with them)
         self._unscaled_warned = False  # float16 autocast without a scaler warned of
+        self._scaled_by: GradScaler | None = None  # the last step's scaler (clipping checks)
         # a whole model goes to meshpipe.split; it may wait for the first call's inputs
         self._whole: WholeModel | None = None
         if WholeModel.wanted(model, split_points):
@@ -253,10 +259,13 @@ class Pipeline(PipelineViews):
     # -- parameters (stages, named_parameters, parameters: pipeline/views.py) ---------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip to the global gradient norm over all stages and shards (pp, dp, tp; each tied
-        weight once); returns the norm before clipping, the same everywhere. Call on every rank."""
+        weight once); returns the norm before clipping, the same everywhere. Call on every rank.
+        After ``step(scaler=...)``: refused until ``scaler.unscale_(optimizer)``."""
+        check_unscaled(self._scaled_by)
         return clip_grads(self.parameters(), max_norm, self.topology, self._pp_axis, self._whole)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._scaled_by = None
         self._accumulate.clear()  # accumulated no_sync gradients are discarded too
         for m in self.stages:
             m.zero_grad(set_to_none=set_to_none)
@@ -315,6 +324,7 @@ class Pipeline(PipelineViews):
         loss_scale = loss_scale_of(scaler, self.topology.device)
         if loss_scale is None and not self._unscaled_warned:
             self._unscaled_warned = warn_unscaled(self._autocast)
+        self._scaled_by = scaler if loss_scale is not None else None
         if return_outputs:
             refuse(self._cp, "step(return_outputs=True)")
         sched = self._schedules.training(num_microbatches)

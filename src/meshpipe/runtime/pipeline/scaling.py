@@ -29,7 +29,7 @@ from meshpipe.runtime.failures.waits import wait_bounded
 if TYPE_CHECKING:
     from meshpipe.runtime.pipeline.pipeline import Pipeline
 
-__all__ = ["GradScaler", "loss_scale_of", "warn_unscaled"]
+__all__ = ["GradScaler", "check_unscaled", "loss_scale_of", "warn_unscaled"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class GradScaler(torch.amp.GradScaler):
     ) -> None:
         self.device = pipe.topology.device
         self.timeout = pipe.timeout
+        # the gradients a scaled step left are divided by the scale (unscale_ ran since)
+        self.unscaled = True
         self._watchdog = pipe._driver.watchdog
         super().__init__(
             self.device.type, init_scale, growth_factor, backoff_factor, growth_interval, enabled
@@ -99,6 +101,7 @@ class GradScaler(torch.amp.GradScaler):
                 )
         if dist.is_initialized():
             self._agree(found)
+        self.unscaled = True
         return found
 
     def _agree(self, found: dict[torch.device, torch.Tensor]) -> None:
@@ -139,7 +142,20 @@ def loss_scale_of(scaler: Any, device: torch.device) -> torch.Tensor | None:
         )
     if not scaler.is_enabled():
         return None
+    scaler.unscaled = False
     return scaler.scale(torch.ones((), dtype=torch.float32, device=device)).reshape(())
+
+
+def check_unscaled(scaler: GradScaler | None) -> None:
+    """Refuse clipping gradients that still hold the loss scale (every process alike: the
+    same calls give every process the same state). ``scaler``: the one the last step
+    scaled by, or None."""
+    if scaler is not None and not scaler.unscaled:
+        raise PipelineError(
+            "clip_grad_norm_ on gradients that still hold the loss scale: call "
+            "scaler.unscale_(optimizer) after step(scaler=...) and before clipping (the norm "
+            "and max_norm would be compared at different scales)"
+        )
 
 
 def warn_unscaled(autocast: torch.dtype | None) -> bool:
