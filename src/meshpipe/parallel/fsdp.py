@@ -24,7 +24,9 @@ __all__ = [
     "fsdp_reduce",
     "fsdp_rest",
     "gather_before",
+    "held_grads",
     "lend_param",
+    "HeldGrad",
 ]
 
 
