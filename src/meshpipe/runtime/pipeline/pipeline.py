@@ -324,7 +324,8 @@ class Pipeline(PipelineViews):
         loss_scale = loss_scale_of(scaler, self.topology.device)
         if loss_scale is None and not self._unscaled_warned:
             self._unscaled_warned = warn_unscaled(self._autocast)
-        self._scaled_by = scaler if loss_scale is not None else None
+        if loss_scale is not None:  # until zero_grad: its gradients hold the scale
+            self._scaled_by = scaler
         if return_outputs:
             refuse(self._cp, "step(return_outputs=True)")
         sched = self._schedules.training(num_microbatches)
