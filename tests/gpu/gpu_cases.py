@@ -228,13 +228,7 @@ def features(device: str) -> dict[str, float]:
         pipe.step(torch.ones(16, width, device=dev), target=torch.zeros(16, width, device=dev))
         grads.append([p.grad for _, p in pipe.named_parameters()])
     out = {"replay": max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))}
-    torch.manual_seed(0)
-    net = blocks(4)
-    ref = copy.deepcopy(net).to(dev)
-    x, y = torch.randn(32, 16, device=dev), torch.randn(32, 16, device=dev)
-    pipe = meshpipe.Pipeline(
-        net, mesh, "1f1b", 4, loss_fn=mse, autocast=torch.bfloat16, timeout=WAIT
-    )
+    pipe, ref, x, y = _under_autocast(mesh, dev, torch.bfloat16, rows=32, microbatches=4)
     loss = pipe.step(x, target=y)
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         expected = mse(ref(x), y)
@@ -245,6 +239,21 @@ def features(device: str) -> dict[str, float]:
     out.update(_token_mean(mesh, dev))
     out.update(_fp16_scaler(mesh, dev))
     return out
+
+
+def _under_autocast(
+    mesh: Any, dev: torch.device, dtype: torch.dtype, rows: int, microbatches: int
+) -> tuple[Any, nn.Module, torch.Tensor, torch.Tensor]:
+    """A 4-block 1f1b Pipeline under ``autocast=dtype``, a copy of its model on ``dev``
+    (the one-process reference), and a batch of ``rows``."""
+    torch.manual_seed(0)
+    net = blocks(4)
+    ref = copy.deepcopy(net).to(dev)
+    x, y = torch.randn(rows, 16, device=dev), torch.randn(rows, 16, device=dev)
+    pipe = meshpipe.Pipeline(
+        net, mesh, "1f1b", microbatches, loss_fn=mse, autocast=dtype, timeout=WAIT
+    )
+    return pipe, ref, x, y
 
 
 def _relative_grad_gap(pipe: Any, ref: nn.Module) -> float:
@@ -264,13 +273,7 @@ def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, float]:
     ``unscale_``; ``fp16_syncs`` the synchronising CUDA calls of ``step(scaler=...)`` (0:
     the scale is read on the device); ``fp16_skip`` 1.0 when an inf put on pp rank 1's
     gradients skipped the update on this rank too (parameters unmoved, scale halved)."""
-    torch.manual_seed(0)
-    net = blocks(4)
-    ref = copy.deepcopy(net).to(dev)
-    x, y = torch.randn(16, 16, device=dev), torch.randn(16, 16, device=dev)
-    pipe = meshpipe.Pipeline(
-        net, mesh, "1f1b", 1, loss_fn=mse, autocast=torch.float16, timeout=WAIT
-    )
+    pipe, ref, x, y = _under_autocast(mesh, dev, torch.float16, rows=16, microbatches=1)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     scaler = meshpipe.GradScaler(pipe, init_scale=2.0**10)
     ref_scaler = torch.amp.GradScaler(dev.type, init_scale=2.0**10)
