@@ -5,9 +5,12 @@ process does not see.
 CPU and gloo, or one GPU each with NCCL) and measures, all of them running at once:
 
 - **slowdown**: a fixed workload (a matmul and a memory-bound pass) timed in one process
-  while the others wait, then in every process at once; the ratio (of first quartiles,
-  as every time here: steady when other jobs share the machine). On a CPU whose cores the
-  ranks share it is well above 1; the planner multiplies the profile's times by it.
+  while the others wait, then in as many at once as run at full speed (every process,
+  or as many as there are cores where they outnumber them); the ratio (of first quartiles,
+  as every time here: steady when other jobs share the machine), the median of three such
+  pairs (one pair read 1.55 and 2.20 in a burst of load). Where the processes have a core
+  each it is about 1, above where they contend for caches or memory; the planner
+  multiplies the profile's times by it.
 - **overhead** and **step_overhead**: ``meshpipe.Pipeline`` steps of small MLP stages
   (1f1b, every process one pp rank, 1, 2 and 4 microbatches per rank), read from the
   runtime's own timeline (``runtime_costs``, ``meshpipe.plan.outside``): what each step
@@ -129,20 +132,31 @@ def _workload(device: torch.device) -> Any:
     return run
 
 
+SLOWDOWN_PAIRS = 3  # (alone, together) measurements of the slowdown; the median ratio
+
+
 def _slowdown(device: torch.device, repeats: int, together: int) -> float | None:
     """Rank 0's workload alone against ``together`` processes running it at once (the
-    others sleep: a barrier's wait may spin on a core); None on the other ranks."""
+    others sleep: a barrier's wait may spin on a core), ``SLOWDOWN_PAIRS`` times: the
+    median of the ratios (a burst of other work during one pair moved the planner's every
+    prediction, docs/plan.md); None on the other ranks."""
     run = _workload(device)
-    alone = _alone(run, repeats)
-    shared = _alone(run, repeats, together)
-    return shared / alone if alone and shared else None
+    ratios = []
+    for _ in range(SLOWDOWN_PAIRS):
+        alone = _alone(run, repeats)
+        shared = _alone(run, repeats, together)
+        if alone and shared:
+            ratios.append(shared / alone)
+    return statistics.median(ratios) if ratios else None
 
 
 def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str, Any]:
     """A pipeline over every process (pp = n, 1f1b) of small MLP stages: the stage's forward
     and forward + backward timed in the ``running`` first processes at once (the most
     that run together at full speed; None on the others), then the step at three
-    microbatch counts."""
+    microbatch counts, their steps taken in turn (a burst of other work falls on every
+    count alike: the fit that tells the per-action cost from the per-step one reads their
+    differences)."""
     import torch.distributed as dist
 
     import meshpipe
@@ -159,7 +173,7 @@ def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str
     x = torch.randn(PROBE_ROWS, PROBE_WIDTH, device=device)
     f = _alone(lambda: alone(x), repeats, running)
     fb = _alone(lambda: alone(x).sum().backward(), repeats, running)
-    points, records = [], []
+    steps = []
     for per_rank in PROBE_MICROBATCHES:
         mb = per_rank * n
         torch.manual_seed(0)
@@ -171,35 +185,32 @@ def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str
         xs = torch.randn(mb * PROBE_ROWS, PROBE_WIDTH, device=device)
         ys = torch.randn(mb * PROBE_ROWS, PROBE_WIDTH, device=device)
         pipe.step(xs, target=ys)  # warm-up: the first step builds what later steps reuse
-
-        def step(pipe: Any = pipe, xs: torch.Tensor = xs, ys: torch.Tensor = ys) -> None:
-            pipe.step(xs, target=ys)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        recorded = _recorded_steps(step, pipe, repeats, dist.barrier)
-        records.append(recorded)
-        points.append((mb, _low([t for t, _ in recorded])))
+        steps.append((mb, pipe, xs, ys))
+    records: list[list[tuple[float, dict[tuple[str, int, int], float]]]] = [[] for _ in steps]
+    for i in range(repeats + 1):
+        for k, (_, pipe, xs, ys) in enumerate(steps):
+            recorded = _recorded_step(pipe, xs, ys, device, dist.barrier)
+            if i:  # the first round warms up
+                records[k].append(recorded)
+    points = [(mb, _low([t for t, _ in rec])) for (mb, *_), rec in zip(steps, records)]
     b = None if f is None or fb is None else max(fb - f, 0.0)
     return {"f": f, "b": b, "steps": points, "records": records}
 
 
-def _recorded_steps(
-    step: Any, pipe: Any, repeats: int, barrier: Any
-) -> list[tuple[float, dict[tuple[str, int, int], float]]]:
-    """``repeats`` steps after a warm-up, each after ``barrier``: the step's wall seconds
-    and its actions' seconds from the runtime's timeline (inputs ready to end)."""
-    out = []
-    for i in range(repeats + 1):
-        barrier()
-        t0 = time.perf_counter()
-        step()
-        wall = time.perf_counter() - t0
-        if i:
-            actions = {(str(r.action.op.value), int(r.action.stage), int(r.action.mb)):
-                       r.end - r.ready for r in pipe.timeline()}  # fmt: skip
-            out.append((wall, actions))
-    return out
+def _recorded_step(
+    pipe: Any, xs: torch.Tensor, ys: torch.Tensor, device: torch.device, barrier: Any
+) -> tuple[float, dict[tuple[str, int, int], float]]:
+    """One step after ``barrier``: its wall seconds and its actions' seconds from the
+    runtime's timeline (inputs ready to end)."""
+    barrier()
+    t0 = time.perf_counter()
+    pipe.step(xs, target=ys)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    actions = {(str(r.action.op.value), int(r.action.stage), int(r.action.mb)): r.end - r.ready
+               for r in pipe.timeline()}  # fmt: skip
+    return wall, actions
 
 
 def _reduce_probe(device: torch.device, repeats: int) -> list[float]:
