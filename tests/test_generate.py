@@ -5,6 +5,7 @@ after generate() stays exact. One spawn of 4 processes: pp=2 x dp=2 and pp=4 mes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import cache
 from typing import Any
@@ -164,10 +165,14 @@ def _greedy(
         model, mesh, "1f1b", 2, loss_fn=sm.lm_loss, split_points=points, **options
     )
     pipe.eval()
-    plain = _reference(ref, ids, mask, pad_token_id=1)
+    low = options.get("autocast")  # the reference under the same autocast as the Pipeline
+    under = torch.autocast("cpu", dtype=low) if low is not None else contextlib.nullcontext()
+    with under:
+        plain = _reference(ref, ids, mask, pad_token_id=1)
     # an EOS that row 0 produces at its 4th new token, so rows stop at different steps
     eos = int(plain[0, ids.shape[1] + 3])
-    with_eos = _reference(ref, ids, mask, eos_token_id=eos, pad_token_id=1)
+    with under:
+        with_eos = _reference(ref, ids, mask, eos_token_id=eos, pad_token_id=1)
     res: dict[str, Any] = {"eos_stops_early": with_eos.shape[1] <= plain.shape[1]}
 
     for lanes in (None, 1, 3) if every_lane else (3,):
@@ -178,6 +183,8 @@ def _greedy(
         )
         res[f"eos lanes={lanes}"] = got.tolist() == with_eos.tolist()
     res["padded rows after eos"] = int((with_eos[:, ids.shape[1] :] == 1).sum())
+    if low is not None:  # the stages' layers really ran under it
+        res["linear outputs"] = _linear_dtypes(pipe, ids, mask) == {low}
     if pipe.topology.tp_size > 1:  # the stages really hold tp shards (DTensors)
         res["tp shards"] = any(type(p).__name__ == "DTensor" for p in pipe.parameters())
     if keep is not None:  # the Pipeline, for the sampling cases (a traced split costs ~5 s)
@@ -199,6 +206,23 @@ def _greedy(
     on_ring = reads[1] > 0 or not pipe.topology.stage_meshes
     res["fewer host reads"] = (0 < reads[4] <= reads[1] // 2) if on_ring else reads[4] == 0
     return res
+
+
+def _linear_dtypes(pipe: meshpipe.Pipeline, ids: torch.Tensor, mask: torch.Tensor) -> set[Any]:
+    """The dtypes of every Linear output of this rank's stages during a generate() call."""
+    seen: set[Any] = set()
+    hooks = [
+        m.register_forward_hook(lambda _m, _a, out: seen.add(out.dtype))
+        for stage in pipe.stages
+        for m in stage.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    try:
+        pipe.generate(ids, 2, attention_mask=mask, pad_token_id=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 def _sampled(pipe: meshpipe.Pipeline, lanes: int | None, seed: int) -> list[list[int]]:
@@ -346,6 +370,10 @@ def _families() -> dict[str, Any]:
         "mistral pp2": _greedy("mistral", pp2, 2, every_lane=False),
         # sliding and full layers in turn on each stage (a rotary table per kind)
         "gemma3 pp2": _greedy("gemma3", pp2, 2, every_lane=False),
+        # the Pipeline's autocast applies to generation too (before: float32, silently)
+        "qwen2 pp2 bf16": _greedy(
+            "qwen2", pp2, 2, every_lane=False, num_layers=2, autocast=torch.bfloat16
+        ),
     }
 
 
@@ -362,6 +390,7 @@ def _family_results() -> list[dict[str, Any]]:
 FAMILIES = (
     "qwen2 pp2", "phi3 pp2", "stablelm pp2", "qwen2 windows pp2", "gemma2 pp2",
     "deepseek_v3 pp2", "smollm3 pp2", "granite pp2", "gpt_oss pp2", "mistral pp2", "gemma3 pp2",
+    "qwen2 pp2 bf16",
 )  # fmt: skip
 
 
@@ -371,7 +400,7 @@ FAMILIES = (
         "llama pp2", "gpt2 pp2", "llama pp4", "qwen2 pp2", "mistral pp2", "llama pp2 tp2",
         "llama stage meshes", "qwen3 pp2 tp2", "phi3 pp2", "mixtral pp2 tp2", "stablelm pp2",
         "qwen2 windows pp2", "gemma2 pp2", "gemma3 pp2", "deepseek_v3 pp2", "smollm3 pp2",
-        "granite pp2", "gpt_oss pp2",
+        "granite pp2", "gpt_oss pp2", "qwen2 pp2 bf16",
     ],
 )  # fmt: skip
 def test_greedy_matches_hugging_face_generate(case: str) -> None:

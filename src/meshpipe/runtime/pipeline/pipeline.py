@@ -459,8 +459,8 @@ class Pipeline(PipelineViews):
         ``eos_token_id``, ``pad_token_id``, ``num_lanes`` (default: the pp size),
         ``stop_check_every`` (read the lanes' stop every k tokens; default 1 on CPU, 8 on
         CUDA), ``trace`` (a path: the decode actions of every process as a Chrome trace,
-        each row with its busy fraction). Same call
-        on every rank; no gradients, parameters and train/eval mode untouched."""
+        each row with its busy fraction). Same call on every rank; no gradients, parameters
+        and train/eval mode untouched; under the Pipeline's ``autocast``, as ``step()``."""
         refuse(self._cp, "generate()")
         spmd = self._driver.spmd
 
@@ -470,7 +470,7 @@ class Pipeline(PipelineViews):
 
         target = GenTarget(
             self._whole, self.schedule, self.topology, self.timeout, self._runners,
-            split_and_gather, self._driver.calls.build,
+            split_and_gather, self._driver.calls.build, self._autocast,
         )  # fmt: skip
         out = generate(target, input_ids, max_new_tokens, **options)
         spmd.rest()  # and back to their shards (parallel/fsdp.py)
