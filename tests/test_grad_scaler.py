@@ -160,6 +160,19 @@ def _refusals() -> dict[str, Any]:
     scaler.unscale_(opt)
     res["clipped"] = pipe.clip_grad_norm_(1.0).item()
     pipe.zero_grad()
+    # two optimizers, rank 0's gradients all in the first, rank 1's all in the second: after
+    # unscale_ of the first only, rank 1's still hold the scale; refused on both processes
+    spare = torch.nn.Parameter(torch.zeros(1))  # an optimizer needs a parameter
+    mine = list(pipe.parameters())
+    first = torch.optim.SGD(mine if rank == 0 else [spare], lr=0.1)
+    second = torch.optim.SGD([spare] if rank == 0 else mine, lr=0.1)
+    scaler = meshpipe.GradScaler(pipe, init_scale=SCALE)
+    pipe.step(x, target=y, scaler=scaler)
+    scaler.unscale_(first)
+    res["clip one of two"] = refusal(lambda: pipe.clip_grad_norm_(1.0))
+    scaler.unscale_(second)
+    res["clipped both"] = pipe.clip_grad_norm_(1.0).item()
+    pipe.zero_grad()
     return res
 
 
@@ -265,6 +278,11 @@ def test_foreign_scalers_and_differing_scales_are_refused() -> None:
         assert "loss scaler" in r["one"], (rank, r)
         assert "still hold the loss scale: call scaler.unscale_" in r["clip"], (rank, r)
         assert 0.0 < r["clipped"] < 1e3, (rank, r)  # the unscaled norm (scaled: ~1e5)
+        # several optimizers: refused until every one holding gradients is unscaled
+        assert "still hold the loss scale" in r["clip one of two"], (rank, r)
+        assert "their optimizer was not unscaled" in r["clip one of two"], (rank, r)
+        assert ("here: " in r["clip one of two"]) == (rank == 1), (rank, r)
+        assert abs(r["clipped both"] - r["clipped"]) <= 1e-4 * r["clipped"], (rank, r)
         assert r["after"] > 0.0, (rank, r)
 
 

@@ -260,8 +260,10 @@ class Pipeline(PipelineViews):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip to the global gradient norm over all stages and shards (pp, dp, tp; each tied
         weight once); returns the norm before clipping, the same everywhere. Call on every rank.
-        After ``step(scaler=...)``: refused until ``scaler.unscale_(optimizer)``."""
-        check_unscaled(self._scaled_by)
+        After ``step(scaler=...)``: refused until ``scaler.unscale_`` ran for every optimizer
+        holding gradients."""
+        named = self.named_parameters()
+        check_unscaled(self._scaled_by, named, self.timeout, self._driver.watchdog)
         return clip_grads(self.parameters(), max_norm, self.topology, self._pp_axis, self._whole)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshpipe.errors import PipelineError
-from meshpipe.runtime.failures.waits import wait_bounded
+from meshpipe.runtime.failures.waits import Watchdog, wait_bounded
 
 if TYPE_CHECKING:
     from meshpipe.runtime.pipeline.pipeline import Pipeline
@@ -58,8 +59,10 @@ class GradScaler(torch.amp.GradScaler):
     ) -> None:
         self.device = pipe.topology.device
         self.timeout = pipe.timeout
-        # the gradients a scaled step left are divided by the scale (unscale_ ran since)
+        # unscale_ ran since the last scaled step (for some optimizer), and the parameters
+        # of the optimizers it ran for (their gradients no longer hold the scale)
         self.unscaled = True
+        self.unscaled_ids: set[int] = set()
         self._watchdog = pipe._driver.watchdog
         super().__init__(
             self.device.type, init_scale, growth_factor, backoff_factor, growth_interval, enabled
@@ -102,6 +105,7 @@ class GradScaler(torch.amp.GradScaler):
         if dist.is_initialized():
             self._agree(found)
         self.unscaled = True
+        self.unscaled_ids.update(id(p) for g in optimizer.param_groups for p in g["params"])
         return found
 
     def _agree(self, found: dict[torch.device, torch.Tensor]) -> None:
@@ -143,18 +147,44 @@ def loss_scale_of(scaler: Any, device: torch.device) -> torch.Tensor | None:
     if not scaler.is_enabled():
         return None
     scaler.unscaled = False
+    scaler.unscaled_ids.clear()
     return scaler.scale(torch.ones((), dtype=torch.float32, device=device)).reshape(())
 
 
-def check_unscaled(scaler: GradScaler | None) -> None:
-    """Refuse clipping gradients that still hold the loss scale (every process alike: the
-    same calls give every process the same state). ``scaler``: the one the last step
-    scaled by, or None."""
-    if scaler is not None and not scaler.unscaled:
+def check_unscaled(
+    scaler: GradScaler | None,
+    named: Iterable[tuple[str, torch.nn.Parameter]],
+    timeout: float,
+    watchdog: Watchdog | None = None,
+) -> None:
+    """Refuse clipping gradients that still hold the loss scale, on every process alike.
+    ``scaler``: the one the last step scaled by, or None; ``named``: this process's
+    parameters. Before any ``unscale_`` every process knows it alone (the same calls give
+    every process the same state); after one, each process counts its gradients whose
+    optimizer was not unscaled (several optimizers: a process may hold such gradients where
+    another holds none) and one SUM all-reduce over the world tells every process."""
+    if scaler is None:
+        return
+    if not scaler.unscaled:
         raise PipelineError(
             "clip_grad_norm_ on gradients that still hold the loss scale: call "
             "scaler.unscale_(optimizer) after step(scaler=...) and before clipping (the norm "
             "and max_norm would be compared at different scales)"
+        )
+    if not dist.is_initialized():
+        return
+    still = [n for n, p in named if p.grad is not None and id(p) not in scaler.unscaled_ids]
+    count = torch.tensor([len(still)], dtype=torch.float64, device=scaler.device)
+    work = dist.all_reduce(count, async_op=True)
+    wait_bounded(work, timeout, "the clipping check of unscaled gradients", watchdog)
+    total = int(count.item())  # after a scaled step only: torch's scaler.step reads on host too
+    if total:
+        more = ", ..." if len(still) > 3 else ""
+        here = f" (here: {', '.join(still[:3])}{more})" if still else ""
+        raise PipelineError(
+            f"clip_grad_norm_: {total} gradient(s) over all processes still hold the loss "
+            f"scale{here}: their optimizer was not unscaled; call scaler.unscale_ for every "
+            "optimizer before clipping"
         )
 
 
