@@ -71,9 +71,32 @@ def test_dp_latency_is_in_every_data_parallel_prediction() -> None:
     assert pp[1].step_time == pp[0].step_time
 
 
+def test_several_probes_give_the_median_of_each_figure() -> None:
+    """One probe spoiled by a burst of other work (slowdown 2.2, per-step cost 0.3 ms)
+    does not move the figures: each is the median of three; the runtime's two overheads,
+    fitted as a pair, come from the probe whose per-step cost is the median; the dp
+    reduction is fitted to the median of what it added at each size."""
+    from meshpipe.plan.machine import REDUCE_SIZES, _median
+
+    def probe(slowdown: float, overhead: float, step: float, tp: float) -> MachineCost:
+        return MachineCost(4, slowdown, overhead, step, 1e9, ((4, 0.03),), tp, 2, 1e-3)
+
+    found = [
+        (probe(1.05, 6e-4, 5e-3, 0.3), [4e-3, 9e-3]),
+        (probe(2.20, 9e-4, 3e-4, 0.9), [9e-3, 30e-3]),  # the spoiled one
+        (probe(1.10, 7e-4, 6e-3, 0.4), [5e-3, 11e-3]),
+    ]
+    got = _median(found, 4)
+    assert (got.slowdown, got.tp_efficiency) == (1.10, 0.4)
+    assert (got.overhead, got.step_overhead) == (6e-4, 5e-3)  # one probe's pair
+    assert (got.dp_latency, got.dp_bandwidth) == fit_reduction(4, REDUCE_SIZES, [5e-3, 11e-3])
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(PlanError, match="2 or more processes"):
         measure_machine(1)
+    with pytest.raises(PlanError, match="probes must be an int >= 1"):
+        measure_machine(2, probes=0)
     with pytest.raises(PlanError, match="device must be 'cpu' or 'cuda'"):
         measure_machine(2, device="tpu")
     with pytest.raises(PlanError, match="slowdown must be > 0"):

@@ -2,7 +2,10 @@
 process does not see.
 
 ``measure_machine(num_processes)`` starts that many local processes (as the job will run:
-CPU and gloo, or one GPU each with NCCL) and measures, all of them running at once:
+CPU and gloo, or one GPU each with NCCL) and measures, all of them running at once, three
+times over (``probes``; each figure the median of the three: on a machine other jobs share,
+one probe in ten or so read a slowdown of 1.3 - 2.2 or a per-step cost of 0.3 ms where the
+others read 1.0 - 1.1 and 3.5 - 8 ms, and a plan made from it missed every target):
 
 - **slowdown**: a fixed workload (a matmul and a memory-bound pass) timed in one process
   while the others wait, then in as many at once as run at full speed (every process,
@@ -49,7 +52,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -77,6 +80,7 @@ PROBE_WIDTH, PROBE_DEPTH, PROBE_ROWS = (
 )  # each probe stage: about 1 ms of compute on one CPU core
 ALONE_SECONDS = 0.3  # at most this long for rank 0's workload alone
 TP_WIDTH, TP_ROWS = 512, 128  # the tensor-parallel probe: an MLP block 4x wide
+PROBES = 3  # every figure measured this many times over; the planner takes the median
 
 
 @dataclass(frozen=True)
@@ -315,7 +319,8 @@ def _alone(fn: Any, repeats: int, running: int = 1) -> float | None:
     return _low(times) if times else None
 
 
-def _probe(device_type: str, repeats: int, cores: int) -> dict[str, Any]:
+def _probe(device_type: str, repeats: int, cores: int, times: int = 1) -> list[dict[str, Any]]:
+    """Every measurement of the module, ``times`` times over in this spawn."""
     import torch.distributed as dist
 
     import meshpipe
@@ -330,14 +335,17 @@ def _probe(device_type: str, repeats: int, cores: int) -> dict[str, Any]:
     )
     n = dist.get_world_size()
     running = n if cores <= 0 else min(n, cores)  # at once, each at its full speed
-    slowdown = _slowdown(device, repeats, running)
-    exposed = _reduce_probe(device, repeats)
-    speedup = _tp_probe(device, repeats)
-    probe = _runtime_probe(device, repeats, running)
-    return {
-        "rank": rank, "slowdown": slowdown, "exposed": exposed,
-        "tp_speedup": speedup, **probe,
-    }  # fmt: skip
+    out = []
+    for _ in range(times):
+        slowdown = _slowdown(device, repeats, running)
+        exposed = _reduce_probe(device, repeats)
+        speedup = _tp_probe(device, repeats)
+        probe = _runtime_probe(device, repeats, running)
+        out.append({
+            "rank": rank, "slowdown": slowdown, "exposed": exposed,
+            "tp_speedup": speedup, **probe,
+        })  # fmt: skip
+    return out
 
 
 def _makespan(n: int, mb: int, f: float, b: float, p2p: float, cores: int = 0) -> float:
@@ -438,8 +446,10 @@ def measure_machine(
     p2p_latency: float = 0.0,
     repeats: int = 20,
     timeout: float = 300.0,
+    probes: int = PROBES,
 ) -> MachineCost:
-    """Measure this machine with ``num_processes`` local processes (see the module);
+    """Measure this machine with ``num_processes`` local processes (see the module),
+    ``probes`` times over in one spawn, and take the median of each figure;
     ``p2p_latency`` (e.g. ``measure_link``'s) is taken out of the runtime's fit."""
     from meshpipe.testing import run_on_ranks
 
@@ -447,6 +457,8 @@ def measure_machine(
         raise PlanError(f"measure_machine: num_processes must be an int, got {num_processes!r}")
     if num_processes < 2:
         raise PlanError(f"measure_machine needs 2 or more processes, got {num_processes}")
+    if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
+        raise PlanError(f"measure_machine: probes must be an int >= 1, got {probes!r}")
     if device not in ("cpu", "cuda"):
         raise PlanError(f"measure_machine: device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and torch.cuda.device_count() < num_processes:
@@ -458,28 +470,40 @@ def measure_machine(
     log.info("measuring the machine with %d processes ...", num_processes)
     cores = local_cores(device)
     got = run_on_ranks(
-        _probe, num_processes, device, repeats, cores, timeout=timeout, device=device
+        _probe, num_processes, device, repeats, cores, probes, timeout=timeout * probes,
+        device=device,
     )  # fmt: skip
+    n = num_processes
+    shared = cores if 0 < cores < n else 0
+    found = [_figures([g[k] for g in got], n, shared, p2p_latency) for k in range(probes)]
+    cost = _median(found, n)
+    log.info(
+        "machine measured in %.1f s (the median of %d probes): %d processes on %s cores, "
+        "slowdown %.2f, overhead %.0f us per action, %.2f ms per step, dp reduction %.2f ms "
+        "+ %.2f GB/s, tp efficiency %.2f", time.perf_counter() - t0, probes, n,
+        cores or "their own", cost.slowdown, cost.overhead * 1e6, cost.step_overhead * 1e3,
+        cost.dp_latency * 1e3, cost.dp_bandwidth / 1e9, cost.tp_efficiency,
+    )  # fmt: skip
+    if not math.isfinite(cost.dp_bandwidth):
+        log.warning(
+            "measure_machine: the dp reductions added no time to a step (noise); dp_bandwidth "
+            "is not measured (inf): the planner keeps its other figure"
+        )
+    return cost
+
+
+def _figures(
+    got: list[dict[str, Any]], n: int, shared: int, p2p_latency: float
+) -> tuple[MachineCost, list[float]]:
+    """One probe's figures (every process's results of it), and what the dp reduction
+    added to a step at each of ``REDUCE_SIZES`` (the slowest process's)."""
     slowdown = max(1.0, next(g["slowdown"] for g in got if g["slowdown"] is not None))
     # the step waits for the slowest process
     exposed = [max(g["exposed"][k] for g in got) for k in range(len(REDUCE_SIZES))]
-    n = num_processes
     dp_latency, dp_bandwidth = fit_reduction(n, REDUCE_SIZES, exposed)
-    log.info(
-        "dp reduction: %s; fitted %.2f ms + bytes at %.2f GB/s",
-        ", ".join(f"{b >> 20} MiB {t * 1e3:.2f} ms" for b, t in zip(REDUCE_SIZES, exposed)),
-        dp_latency * 1e3, dp_bandwidth / 1e9,
-    )  # fmt: skip
-    if not math.isfinite(dp_bandwidth):
-        log.warning(
-            "measure_machine: the dp reductions added %s ms to a step (noise); dp_bandwidth "
-            "is not measured (inf): the planner keeps its other figure",
-            [round(t * 1e3, 2) for t in exposed],
-        )  # fmt: skip
     points = [(mb, max(g["steps"][k][1] for g in got)) for k, (mb, _) in enumerate(got[0]["steps"])]
     f = statistics.median(g["f"] for g in got if g["f"] is not None)
     b = statistics.median(g["b"] for g in got if g["b"] is not None)
-    shared = cores if 0 < cores < n else 0
     if shared:  # processes outnumber the cores: both fitted to the steps' wall times
         overhead, step = fit_runtime(n, f, b, points, p2p_latency, shared)
     else:
@@ -490,14 +514,32 @@ def measure_machine(
     # cores where the n processes had fewer
     own = speedup * (n / shared if shared else 1.0)
     tp_efficiency = min(1.0, max(0.0, (own * slowdown - 1.0) / (n - 1)))
+    log.info(
+        "probe: slowdown %.2f, overhead %.0f us per action, %.2f ms per step, dp reduction %s, "
+        "tp efficiency %.2f", slowdown, overhead * 1e6, step * 1e3,
+        ", ".join(f"{b >> 20} MiB {t * 1e3:.2f} ms" for b, t in zip(REDUCE_SIZES, exposed)),
+        tp_efficiency,
+    )  # fmt: skip
     cost = MachineCost(
         n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency, shared,
         dp_latency,
     )  # fmt: skip
-    log.info(
-        "machine measured in %.1f s: %d processes on %s cores, slowdown %.2f, overhead %.0f us "
-        "per action, %.2f ms per step, dp reduction %.2f ms + %.2f GB/s, tp efficiency %.2f",
-        time.perf_counter() - t0, n, cores or "their own", slowdown, overhead * 1e6,
-        step * 1e3, dp_latency * 1e3, dp_bandwidth / 1e9, tp_efficiency,
-    )  # fmt: skip
-    return cost
+    return cost, exposed
+
+
+def _median(found: list[tuple[MachineCost, list[float]]], n: int) -> MachineCost:
+    """The probes' figures combined: the median of each; the runtime's two overheads (a
+    pair fitted together, one traded against the other) and its points from the probe
+    whose per-step figure is the median; the dp reduction fitted to the median of what it
+    added at each size."""
+    costs = [c for c, _ in found]
+    runtime = sorted(costs, key=lambda c: c.step_overhead)[(len(costs) - 1) // 2]
+    exposed = [statistics.median(e[k] for _, e in found) for k in range(len(REDUCE_SIZES))]
+    dp_latency, dp_bandwidth = fit_reduction(n, REDUCE_SIZES, exposed)
+    return replace(
+        runtime,
+        slowdown=statistics.median(c.slowdown for c in costs),
+        tp_efficiency=statistics.median(c.tp_efficiency for c in costs),
+        dp_latency=dp_latency,
+        dp_bandwidth=dp_bandwidth,
+    )
