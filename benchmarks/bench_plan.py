@@ -139,10 +139,7 @@ def _measure(
     per_round = max(1, -(-steps // rounds))
     # the process warmed up first (untimed): the first configuration a fresh process ran
     # read 7 - 20 % slower than the same configuration run later, in 2 of 3 trials
-    pipe = meshpipe.Pipeline.from_plan(
-        configs[0], copy.deepcopy(base), loss_fn=loss_fn, example_args=args
-    )
-    mine = _rows(pipe, args, target)
+    pipe, mine = _built(configs[0], base, args, target, loss_fn)
     for _ in range(3):
         pipe.step(*mine[0], target=mine[1])
         pipe.zero_grad(set_to_none=False)
@@ -152,10 +149,7 @@ def _measure(
         shift = rnd * len(configs) // rounds  # rounds start spread out: no place favoured
         for k in [*range(shift, len(configs)), *range(shift)]:
             cfg = configs[k]
-            pipe = meshpipe.Pipeline.from_plan(
-                cfg, copy.deepcopy(base), loss_fn=loss_fn, example_args=args
-            )
-            mine = _rows(pipe, args, target)
+            pipe, mine = _built(cfg, base, args, target, loss_fn)
             opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
             for _ in range(2):  # warm-up; optimizer state exists from the first on
                 pipe.step(*mine[0], target=mine[1])
@@ -174,6 +168,14 @@ def _measure(
             del pipe, opt
             gc.collect()
     return [{"time": statistics.median(t), "peak": p} for t, p in zip(times, peaks)]
+
+
+def _built(
+    cfg: dict[str, Any], base: nn.Module, args: tuple[Any, ...], target: Any, loss_fn: Any
+) -> tuple[meshpipe.Pipeline, tuple[Any, Any]]:
+    """A Pipeline of ``cfg`` on a copy of ``base``, and this process's inputs and target."""
+    pipe = meshpipe.Pipeline.from_plan(cfg, copy.deepcopy(base), loss_fn=loss_fn, example_args=args)
+    return pipe, _rows(pipe, args, target)
 
 
 def _rows(pipe: meshpipe.Pipeline, args: tuple[Any, ...], target: Any) -> tuple[Any, Any]:
@@ -221,10 +223,7 @@ def _replan(case: str, first: dict[str, Any], prof: dict[str, Any], cap: int | N
     figures); every rank gets the same plan (the gathering is a collective)."""
     torch.set_num_threads(1)
     base, args, target, loss_fn = model_case(case)
-    pipe = meshpipe.Pipeline.from_plan(
-        first, copy.deepcopy(base), loss_fn=loss_fn, example_args=args
-    )
-    mine = _rows(pipe, args, target)
+    pipe, mine = _built(first, base, args, target, loss_fn)
     for _ in range(3):
         pipe.step(*mine[0], target=mine[1])
         pipe.zero_grad(set_to_none=False)

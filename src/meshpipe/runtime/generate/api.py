@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import inspect
 import logging
@@ -43,7 +42,6 @@ class GenTarget:
     runners: Mapping[int, StageRunner]
     ensure_split: Callable[[tuple[Any, ...], dict[str, Any]], None]
     build: str = ""  # how the Pipeline was built (the call check's "pipeline" field)
-    autocast: torch.dtype | None = None  # the Pipeline's: the stages run under it, as in step()
 
 
 @dataclass
@@ -195,7 +193,8 @@ def generate(
     last_stats.busy_s, last_stats.host_reads, last_stats.events = 0.0, 0, []
     if peers.index >= 0:  # on the ring (a stage mesh's other dp coordinates wait)
         ring = Ring(topo.pp_group, topo.layout.ranks, topo.layout.me, target.timeout)
-        with _autocast(target.autocast, device):
+        # under the Pipeline's autocast, as its steps (the stages share one: any runner's)
+        with next(iter(target.runners.values())).mixed():
             state = run_ring(order, peers, stages, lanes, ring, req)
         last_stats.busy_s, last_stats.host_reads = state.busy, state.host_reads
         last_stats.events = state.events
@@ -205,14 +204,6 @@ def generate(
     if trace is not None:
         save_decode_trace(trace, topo.coords)
     return torch.cat([input_ids, new.to(input_ids.device, input_ids.dtype)], dim=1)
-
-
-def _autocast(dtype: torch.dtype | None, device: torch.device) -> Any:
-    """The Pipeline's autocast around the stages' layers (their payloads between stages stay
-    in the parameters' dtype: ``Request.dtype``); nothing without one."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _default_every(topo: Topology) -> int:

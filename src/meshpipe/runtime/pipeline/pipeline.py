@@ -472,7 +472,7 @@ class Pipeline(PipelineViews):
 
         target = GenTarget(
             self._whole, self.schedule, self.topology, self.timeout, self._runners,
-            split_and_gather, self._driver.calls.build, self._autocast,
+            split_and_gather, self._driver.calls.build,
         )  # fmt: skip
         out = generate(target, input_ids, max_new_tokens, **options)
         spmd.rest()  # and back to their shards (parallel/fsdp.py)

@@ -59,9 +59,8 @@ class GradScaler(torch.amp.GradScaler):
     ) -> None:
         self.device = pipe.topology.device
         self.timeout = pipe.timeout
-        # unscale_ ran since the last scaled step (for some optimizer), and the parameters
-        # of the optimizers it ran for (their gradients no longer hold the scale)
-        self.unscaled = True
+        # the parameters of the optimizers unscale_ ran for since the last scaled step
+        # (their gradients no longer hold the scale); empty: none was unscaled
         self.unscaled_ids: set[int] = set()
         self._watchdog = pipe._driver.watchdog
         super().__init__(
@@ -104,7 +103,6 @@ class GradScaler(torch.amp.GradScaler):
                 )
         if dist.is_initialized():
             self._agree(found)
-        self.unscaled = True
         self.unscaled_ids.update(id(p) for g in optimizer.param_groups for p in g["params"])
         return found
 
@@ -146,7 +144,6 @@ def loss_scale_of(scaler: Any, device: torch.device) -> torch.Tensor | None:
         )
     if not scaler.is_enabled():
         return None
-    scaler.unscaled = False
     scaler.unscaled_ids.clear()
     return scaler.scale(torch.ones((), dtype=torch.float32, device=device)).reshape(())
 
@@ -165,7 +162,7 @@ def check_unscaled(
     another holds none) and one SUM all-reduce over the world tells every process."""
     if scaler is None:
         return
-    if not scaler.unscaled:
+    if not scaler.unscaled_ids:  # no unscale_ since the scaled step
         raise PipelineError(
             "clip_grad_norm_ on gradients that still hold the loss scale: call "
             "scaler.unscale_(optimizer) after step(scaler=...) and before clipping (the norm "

@@ -134,8 +134,9 @@ class StageRunner:
         self._saved.clear()
         self.outputs.clear()
 
-    def _mixed(self) -> contextlib.AbstractContextManager[Any]:
-        """Autocast to the pipeline's compute dtype (stage forward and loss), if any."""
+    def mixed(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast to the pipeline's compute dtype (stage forward and loss; generation's
+        layers too), if any."""
         if self.autocast is None:
             return contextlib.nullcontext()
         device = next((p.device.type for p in self.module.parameters()), "cpu")
@@ -146,7 +147,7 @@ class StageRunner:
             value = _uncached(value)
         if self.autocast is None and not self.recompute:  # the usual stage: no context
             return self._plain_call(value, args, kwargs)
-        with self._mixed():
+        with self.mixed():
             if self.recompute and torch.is_grad_enabled():
                 # keep only the stage's inputs; backward (I, or B) runs the forward again
                 return checkpoint(
@@ -255,7 +256,7 @@ class StageRunner:
         if self.autocast is None and self.loss_context is None:  # the usual stage: no context
             result = self.loss_fn(*loss_args(self._loss_use, out, target))
         else:
-            with self._mixed(), self._loss_scope():
+            with self.mixed(), self._loss_scope():
                 result = self.loss_fn(*loss_args(self._loss_use, out, target))
         if isinstance(result, (tuple, list)):
             if len(result) != 2:
