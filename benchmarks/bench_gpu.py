@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import mlp_block  # noqa: E402 - the benchmarks folder is not a package
 
 import meshpipe  # noqa: E402
-from meshpipe.testing import run_on_ranks  # noqa: E402
+from meshpipe.testing import cuda_syncs, run_on_ranks  # noqa: E402
 
 WORLD = 2
 # meshpipe name, torch.distributed.pipelining class, stages per rank
@@ -138,22 +137,6 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def count_syncs(fn: Callable[[], Any], device: torch.device) -> int:
-    if device.type != "cuda":
-        fn()
-        return -1  # not measurable on CPU
-    _sync(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    _sync(device)
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 def run_case(cfg: Config, name: str, mesh: Any, steps: int, device: torch.device) -> dict[str, Any]:
     rank = mesh.get_local_rank("pp")
     _, per_rank = SCHEDULES[name]
@@ -184,7 +167,9 @@ def run_case(cfg: Config, name: str, mesh: Any, steps: int, device: torch.device
                 _sync(device)
                 per.append(time.perf_counter() - t0)
             times[key].append(_slowest(statistics.median(per), device))
-    syncs = {key: count_syncs(fn, device) for key, fn in runners.items()}
+    # where one more step made the host wait for the GPU (not measurable on CPU: None)
+    where = {key: cuda_syncs(fn) for key, fn in runners.items()}
+    syncs = {k: len(w) if device.type == "cuda" else None for k, w in where.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = [m / t for m, t in zip(times["meshpipe"], times["torch"], strict=True)]
     return {
@@ -195,6 +180,7 @@ def run_case(cfg: Config, name: str, mesh: Any, steps: int, device: torch.device
         "ratio": statistics.median(ratios),
         "ratio_range": [min(ratios), max(ratios)],
         "host_syncs": syncs,
+        "host_syncs_at": {k: w[:4] for k, w in where.items() if w},
     }
 
 
@@ -240,6 +226,9 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"| {r['config']} | {r['schedule']} | {r['meshpipe_ms']:.1f} | {r['torch_ms']:.1f} "
             f"| {r['ratio']:.2f} ({lo:.2f}-{hi:.2f}) | {s['meshpipe']} / {s['torch']} |"
         )
+    for r in rows:
+        for who, where in r.get("host_syncs_at", {}).items():
+            lines.append(f"\n{r['config']} {r['schedule']}, {who} waited at: " + "; ".join(where))
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from meshpipe.testing import RankFailure, run_on_ranks
+from meshpipe.testing import RankFailure, run_on_ranks, warned_at
 
 try:  # imported at collection, before the fork server starts, as a test module would
     import transformers
@@ -79,3 +79,27 @@ def test_a_failing_rank_and_a_hanging_rank_are_both_reported() -> None:
     assert time.monotonic() - t0 < 30
     assert "rank zero's own error" in info.value.errors[0]
     assert info.value.errors[1] == "timed out"
+
+
+def _inner_op() -> None:
+    import warnings
+
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+    warnings.warn("something else", UserWarning, stacklevel=1)
+
+
+def _outer_step() -> None:
+    _inner_op()
+    _inner_op()
+
+
+def test_warned_at_names_where_each_matching_warning_came_from() -> None:
+    """cuda_syncs's locator (run here on CPU with a warning of the same text): one entry
+    per matching warning, even when the same line warns twice, innermost frame first."""
+    where = warned_at(_outer_step, "synchroniz", depth=2)
+    assert len(where) == 2, where
+    for entry in where:
+        inner, outer = entry.split(" <- ")
+        assert inner.startswith("test_testing.py:") and inner.endswith("in _inner_op"), entry
+        assert outer.endswith("in _outer_step"), entry
+    assert warned_at(_outer_step, "no such text") == []

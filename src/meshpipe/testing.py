@@ -16,7 +16,7 @@ from typing import Any
 
 from meshpipe.launch.loopback import loopback_interface, loopback_store
 
-__all__ = ["run_on_ranks", "RankFailure", "free_port", "share_gpu", "weight_work"]
+__all__ = ["run_on_ranks", "RankFailure", "cuda_syncs", "free_port", "share_gpu", "weight_work"]
 
 # imported once by the fork server that starts the ranks (see _context): importing torch
 # costs seconds of CPU, which every spawned rank would pay again
@@ -283,3 +283,47 @@ def weight_work() -> Iterator[dict[str, int]]:
         yield counts
     finally:
         StageRunner.backward, StageRunner.weight = backward, weight  # type: ignore[method-assign]
+
+
+def cuda_syncs(fn: Callable[[], Any]) -> list[str]:
+    """Run ``fn`` and return where it made the host wait for the GPU: one entry per
+    synchronising CUDA call (torch's sync debug mode), naming the innermost frames outside
+    site-packages that led to it (``file:line in function``, each called from the next), so
+    a GPU run's failing count says where to look. The device is synchronised before and
+    after, so only ``fn``'s own calls count. Without CUDA: runs ``fn`` and returns []."""
+    import torch
+
+    if not torch.cuda.is_available():
+        fn()
+        return []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        found = warned_at(fn, "synchroniz")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return found
+
+
+def warned_at(fn: Callable[[], Any], needle: str, depth: int = 4) -> list[str]:
+    """Run ``fn``; for each warning whose text holds ``needle``, where it was raised: the
+    ``depth`` innermost frames outside site-packages (all frames if none is), innermost
+    first, as ``file:line in function`` joined by ``" <- "``."""
+    import warnings
+
+    found: list[str] = []
+
+    def note(message: Any, *_: Any, **__: Any) -> None:
+        if needle not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
+        ours = [f for f in frames if "site-packages" not in f.filename] or frames
+        names = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in ours]
+        found.append(" <- ".join(reversed(names[-depth:])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        fn()
+    return found

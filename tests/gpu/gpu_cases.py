@@ -7,7 +7,6 @@ import copy
 import datetime
 import os
 import sys
-import warnings
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import meshpipe  # noqa: E402
+from meshpipe.testing import cuda_syncs  # noqa: E402
 
 from parity import SCHEDULES, blocks, dp_batch, grad_diff, mse  # noqa: E402
 
@@ -102,8 +102,9 @@ def fsdp_parity(device: str, plain: bool) -> dict[str, dict[str, float]]:
     return out
 
 
-def _syncs_in_third_step(mesh: Any, name: str, rows: int, **options: Any) -> int:
-    """Synchronising CUDA calls in a steady-state step (the third), m=8 (0 on a CPU run)."""
+def _syncs_in_third_step(mesh: Any, name: str, rows: int, **options: Any) -> list[str]:
+    """Where a steady-state step (the third), m=8, made the host wait for the GPU: one entry
+    per synchronising CUDA call ([] expected; [] on a CPU run)."""
     pipe = meshpipe.Pipeline(
         blocks(8), mesh, name, num_microbatches=8, loss_fn=mse, timeout=WAIT, **options
     )
@@ -111,28 +112,16 @@ def _syncs_in_third_step(mesh: Any, name: str, rows: int, **options: Any) -> int
     x, y = torch.randn(rows, 16, device=dev), torch.randn(rows, 16, device=dev)
     for _ in range(2):
         pipe.step(x, target=y)
-    return _syncs_in_step(pipe, dev, x, y)
+    return _syncs_in_step(pipe, x, y)
 
 
-def _syncs_in_step(
-    pipe: Any, dev: torch.device, x: torch.Tensor, y: torch.Tensor, **step_kwargs: Any
-) -> int:
-    """Synchronising CUDA calls in one more step of ``pipe`` (0 on a CPU run, which steps)."""
-    if dev.type != "cuda":
-        pipe.step(x, target=y, **step_kwargs)
-        return 0
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            pipe.step(x, target=y, **step_kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+def _syncs_in_step(pipe: Any, x: torch.Tensor, y: torch.Tensor, **step_kwargs: Any) -> list[str]:
+    """Where one more step of ``pipe`` made the host wait for the GPU (meshpipe.testing's
+    cuda_syncs: [] on a CPU run, which steps)."""
+    return cuda_syncs(lambda: pipe.step(x, target=y, **step_kwargs))
 
 
-def host_syncs(device: str) -> dict[str, int]:
+def host_syncs(device: str) -> dict[str, list[str]]:
     """Synchronising CUDA calls in a steady-state step, 1f1b and zbv at pp=2."""
     mesh = make_mesh(device, False, pp=2)
     return {name: _syncs_in_third_step(mesh, name, 32) for name in ("1f1b", "zbv")}
@@ -193,18 +182,21 @@ def large(device: str, rows: int = 4096, width: int = 4096) -> dict[str, float]:
     return out
 
 
-def stage_meshes(device: str) -> dict[str, dict[str, float]]:
+def stage_meshes(device: str) -> dict[str, Any]:
     """Stage meshes [{"tp": 1}, {"dp": 2}] (3 processes): 1f1b and zbv, one step against one
     process on the whole batch, with the loss on the device; forward's whole batch; and
-    ``steady_state.host_syncs``, 0 expected: the default call check compares input values
-    on the device and reads the verdict at the next call, after the GPU got there."""
+    ``syncs_at``, where a steady-state step waited for the GPU, [] expected: the default
+    call check compares input values on the device and reads the verdict at the next call,
+    after the GPU got there."""
     meshes = meshpipe.init_stage_meshes([{"tp": 1}, {"dp": 2}], device_type=device)
-    out = {name: _one_step(meshes, name, _dev(meshes[0]), 13) for name in ("1f1b", "zbv")}
-    out["steady_state"] = {"host_syncs": float(_syncs_in_third_step(meshes, "1f1b", 32))}
+    out: dict[str, Any] = {
+        name: _one_step(meshes, name, _dev(meshes[0]), 13) for name in ("1f1b", "zbv")
+    }
+    out["syncs_at"] = _syncs_in_third_step(meshes, "1f1b", 32)
     return out
 
 
-def features(device: str) -> dict[str, float]:
+def features(device: str) -> dict[str, Any]:
     """pp=2, the features whose device paths a CPU run never takes. ``replay``: with
     dropout, zbv with "full" checkpointing against the same step without it, the largest
     gradient difference (the replay restores the device's random state F had; 0
@@ -267,10 +259,10 @@ def _relative_grad_gap(pipe: Any, ref: nn.Module) -> float:
     )
 
 
-def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, float]:
+def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, Any]:
     """float16 autocast with ``meshpipe.GradScaler`` at one microbatch, against one process
     under torch's GradScaler: ``fp16_grad`` the largest relative gradient gap after
-    ``unscale_``; ``fp16_syncs`` the synchronising CUDA calls of ``step(scaler=...)`` (0:
+    ``unscale_``; ``fp16_syncs`` where ``step(scaler=...)`` waited for the GPU ([]:
     the scale is read on the device); ``fp16_skip`` 1.0 when an inf put on pp rank 1's
     gradients skipped the update on this rank too (parameters unmoved, scale halved)."""
     pipe, ref, x, y = _under_autocast(mesh, dev, torch.float16, rows=16, microbatches=1)
@@ -292,7 +284,7 @@ def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, float]:
     for _ in range(2):
         pipe.step(x, target=y, scaler=scaler)
         opt.zero_grad()
-    syncs = _syncs_in_step(pipe, dev, x, y, scaler=scaler)
+    syncs = _syncs_in_step(pipe, x, y, scaler=scaler)
     if mesh.get_local_rank("pp") == 1:
         next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
     before = [p.detach().clone() for p in pipe.parameters()]
@@ -301,13 +293,13 @@ def _fp16_scaler(mesh: Any, dev: torch.device) -> dict[str, float]:
     scaler.update()
     unmoved = all(bool((p == b).all()) for p, b in zip(pipe.parameters(), before))
     skipped = float(unmoved and scaler.get_scale() == scale / 2)
-    return {"fp16_grad": gap, "fp16_syncs": float(syncs), "fp16_skip": skipped}
+    return {"fp16_grad": gap, "fp16_syncs": syncs, "fp16_skip": skipped}
 
 
-def _token_mean(mesh: Any, dev: torch.device) -> dict[str, float]:
+def _token_mean(mesh: Any, dev: torch.device) -> dict[str, Any]:
     """``nn.CrossEntropyLoss()`` over targets padded unevenly across the microbatches (run
     as a (sum, count) pair on the device): |loss - one process's|, and the synchronising
-    CUDA calls of its third step (0 expected: the counts stay on the device)."""
+    CUDA calls of its third step, where each was ([] expected: the counts stay on the device)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 10))
     ref = copy.deepcopy(net).to(dev)
@@ -319,7 +311,7 @@ def _token_mean(mesh: Any, dev: torch.device) -> dict[str, float]:
     loss = pipe.step(x, target=y)
     gap = abs(float(loss) - float(ce(ref(x), y).detach()))
     pipe.step(x, target=y)
-    return {"token_loss": gap, "token_syncs": float(_syncs_in_step(pipe, dev, x, y))}
+    return {"token_loss": gap, "token_syncs": _syncs_in_step(pipe, x, y)}
 
 
 def device_values(device: str, plain: bool) -> dict[str, str]:

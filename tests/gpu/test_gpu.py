@@ -51,13 +51,14 @@ def test_fsdp2_pp2_dp2_matches_one_process(plain: bool) -> None:
 def test_steady_state_step_has_no_host_sync() -> None:
     results = run_on_ranks(host_syncs, 2, "cuda", timeout=200, device="cuda")
     for rank, res in enumerate(results):
-        assert res == {"1f1b": 0, "zbv": 0}, f"rank {rank}: {res}"
+        assert res == {"1f1b": [], "zbv": []}, f"rank {rank}, where the host waited: {res}"
 
 
 def test_steady_state_step_with_dp_has_no_host_sync() -> None:
     results = run_on_ranks(host_syncs_dp, 4, "cuda", timeout=200, device="cuda")
     for rank, res in enumerate(results):
-        assert res["None"] == res["ddp"] == res["fsdp"] == 0, f"rank {rank}: {res}"
+        waits = {k: res[k] for k in ("None", "ddp", "fsdp")}
+        assert waits == {"None": [], "ddp": [], "fsdp": []}, f"rank {rank}, host waits: {waits}"
         # replicas of other sizes with a mean loss, dp="ddp": refused by the next call, on
         # every rank; dp=None: weighted by their rows, as one process
         first, uneven, refused, after = res["uneven"]
@@ -75,6 +76,8 @@ def test_64mib_activations_complete() -> None:
 def test_stage_meshes_match_one_process_without_host_syncs() -> None:
     results = run_on_ranks(stage_meshes, 3, "cuda", timeout=200, device="cuda")
     for rank, res in enumerate(results):
+        syncs = res.pop("syncs_at")
+        assert syncs == [], f"rank {rank}: the host waited for the GPU at {syncs}"
         for name, figures in res.items():
             for metric, value in figures.items():
                 assert value <= ATOL, f"rank {rank} {name} {metric}: {value}"
@@ -110,9 +113,9 @@ def test_replay_and_autocast_on_the_device() -> None:
         assert res["replay"] <= 1e-6, (rank, res)
         assert res["autocast_loss"] <= 2e-2 and res["autocast_grad"] <= 2e-2, (rank, res)
         # a padded cross entropy run as (sum, count) on the device: exact, no host sync
-        assert res["token_loss"] <= 1e-5 and res["token_syncs"] == 0.0, (rank, res)
+        assert res["token_loss"] <= 1e-5 and res["token_syncs"] == [], (rank, res)
         # float16 with meshpipe.GradScaler: one process under torch's scaler (float16's
         # rounding, different kernels: 2 %), no host read in step(), an overflow on one rank
         # skipped on both
-        assert res["fp16_grad"] <= 2e-2 and res["fp16_syncs"] == 0.0, (rank, res)
+        assert res["fp16_grad"] <= 2e-2 and res["fp16_syncs"] == [], (rank, res)
         assert res["fp16_skip"] == 1.0, (rank, res)

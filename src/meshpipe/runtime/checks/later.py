@@ -11,6 +11,7 @@ counts of the dp replicas (runtime/failures/closing.py)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,16 +38,27 @@ class HostCopy:
         self._src: torch.Tensor | None = None  # CPU: the value itself
         self._work: Any = None  # CPU: the work to wait for before it is final
 
-    def start(self, src: torch.Tensor, work: Any = None) -> None:
+    def start(
+        self, src: torch.Tensor, work: Any = None, inputs: Sequence[torch.Tensor] = ()
+    ) -> None:
         """Copy ``src`` once ``work`` (a collective's, or None: the current stream's work so
-        far) is done; the caller's stream never waits for it."""
+        far) is done; the caller's stream never waits for it. ``inputs``: what ``work``
+        reads (its input tensors), kept from reuse until it is done."""
         if self._stream is None or self._event is None:
             self._src, self._work = src, work
             return
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             if work is not None:
-                work.wait()  # a stream wait
+                # a stream wait of this side stream; it also releases the tensors NCCL holds
+                # for the allocator's safety (torch >= 2.7 always stashes them), which the
+                # compute stream, where they were made, could then reuse while the
+                # collective still reads them: the likely cause of equal inputs refused as
+                # different on an H200 (docs/gpu.md, 2026-12-04). So the collective's inputs
+                # are marked as in use on this stream, which waits for it
+                work.wait()
+                for t in inputs:
+                    t.record_stream(self._stream)
             else:
                 self._stream.wait_stream(current)
             src.record_stream(self._stream)  # freed early (a refused call): kept till read

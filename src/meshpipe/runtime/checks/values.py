@@ -242,7 +242,7 @@ class DeviceGather:
         """Start all-gathering this process's fingerprint ``fp`` (on the device)."""
         out = torch.empty(self._size * 2 * SLOTS, dtype=torch.int64, device=self.device)
         work = gather_single(out, fp, group=self._group, async_op=True)
-        self._copy.start(out, work)  # the compute stream never waits for it
+        self._copy.start(out, work, (fp,))  # the compute stream never waits for it
         return Gathered(out, work, tuple(paths), call)
 
     def read(self, gathered: Gathered) -> torch.Tensor:
