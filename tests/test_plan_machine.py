@@ -13,6 +13,7 @@ from torch import nn
 
 import meshpipe
 from meshpipe.plan import PlanError
+from meshpipe.plan.candidate import Layout, Settings, judge
 from meshpipe.plan.machine import (
     MachineCost,
     _makespan,
@@ -71,6 +72,50 @@ def test_dp_latency_is_in_every_data_parallel_prediction() -> None:
     assert pp[1].step_time == pp[0].step_time
 
 
+def test_straggle_delays_only_data_parallel_ranks_sharing_too_few_cores() -> None:
+    """Replicas that meet only at the step's end wait for the one the sharing favoured
+    least: with ``straggle`` s, a rank of dp replicas on too few cores ends s times its
+    busy time later; a pipeline (no replicas), or replicas with a core each, do not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    prof = profile_model(model, (x,), target=y, loss_fn=nn.functional.mse_loss, repeats=1)
+    # no latency or bandwidth terms: one microbatch's F then B is the whole step
+    free = {"overhead": 0.0, "p2p_latency": 0.0, "p2p_bandwidth": 1e30, "dp_bandwidth": 1e30}
+
+    def step(layout: Layout, cores: int, straggle: float, bounds: list[int]) -> float:
+        st = Settings(world_size=4, cores=cores, straggle=straggle, dp_latency=1e-30, **free)
+        got = judge(prof, layout, "1f1b", 1, 1, st, bounds)
+        assert got is not None
+        return got.step_time
+
+    dp4 = Layout(1, 4)
+    assert step(dp4, 2, 1.2, []) == pytest.approx(1.2 * step(dp4, 2, 1.0, []), rel=1e-9)
+    assert step(dp4, 4, 1.2, []) == step(dp4, 4, 1.0, [])  # a core each
+    pp4 = Layout(4, 1)
+    assert step(pp4, 2, 1.2, [1, 2, 3]) == step(pp4, 2, 1.0, [1, 2, 3])
+    with pytest.raises(PlanError, match="straggle >= 1"):
+        meshpipe.plan(model, world_size=2, profile=prof, straggle=0.9)
+
+
+@pytest.mark.timeout(120)
+def test_straggle_is_measured_alike_on_every_process() -> None:
+    """Four processes run the same work from one barrier; each reads every end, so all
+    take the same figure (the planner reads it from the first), at least 1."""
+    from meshpipe.testing import run_on_ranks
+
+    got = run_on_ranks(_straggle_on_ranks, 4, timeout=100)
+    assert len(set(got)) == 1 and 1.0 <= got[0] < 5.0, got
+
+
+def _straggle_on_ranks() -> float:
+    from meshpipe.plan.machine import _straggle
+
+    torch.set_num_threads(1)
+    meshpipe.init_mesh(pp=4, device_type="cpu")
+    return _straggle(torch.device("cpu"))
+
+
 def test_several_probes_give_the_median_of_each_figure() -> None:
     """One probe spoiled by a burst of other work (slowdown 2.2, per-step cost 0.3 ms)
     does not move the figures: each is the median of three; the runtime's two overheads,
@@ -78,16 +123,18 @@ def test_several_probes_give_the_median_of_each_figure() -> None:
     reduction is fitted to the median of what it added at each size."""
     from meshpipe.plan.machine import REDUCE_SIZES, _median
 
-    def probe(slowdown: float, overhead: float, step: float, tp: float) -> MachineCost:
-        return MachineCost(4, slowdown, overhead, step, 1e9, ((4, 0.03),), tp, 2, 1e-3)
+    def probe(
+        slowdown: float, overhead: float, step: float, tp: float, straggle: float
+    ) -> MachineCost:
+        return MachineCost(4, slowdown, overhead, step, 1e9, ((4, 0.03),), tp, 2, 1e-3, straggle)
 
     found = [
-        (probe(1.05, 6e-4, 5e-3, 0.3), [4e-3, 9e-3]),
-        (probe(2.20, 9e-4, 3e-4, 0.9), [9e-3, 30e-3]),  # the spoiled one
-        (probe(1.10, 7e-4, 6e-3, 0.4), [5e-3, 11e-3]),
+        (probe(1.05, 6e-4, 5e-3, 0.3, 1.2), [4e-3, 9e-3]),
+        (probe(2.20, 9e-4, 3e-4, 0.9, 2.5), [9e-3, 30e-3]),  # the spoiled one
+        (probe(1.10, 7e-4, 6e-3, 0.4, 1.15), [5e-3, 11e-3]),
     ]
     got = _median(found, 4)
-    assert (got.slowdown, got.tp_efficiency) == (1.10, 0.4)
+    assert (got.slowdown, got.tp_efficiency, got.straggle) == (1.10, 0.4, 1.2)
     assert (got.overhead, got.step_overhead) == (6e-4, 5e-3)  # one probe's pair
     assert (got.dp_latency, got.dp_bandwidth) == fit_reduction(4, REDUCE_SIZES, [5e-3, 11e-3])
 
@@ -141,6 +188,8 @@ def test_measured_machine_is_plausible_and_the_planner_uses_it(
         cost.step_overhead,
         cost.cores,
     )
+    # measured only where the processes outnumber the cores
+    assert a["straggle"] == cost.straggle and (cost.cores > 0 or cost.straggle == 1.0), cost
     # a reduction not told from noise (inf) is not measured: the link's all-reduce stays
     dp = cost.dp_bandwidth if math.isfinite(cost.dp_bandwidth) else link.allreduce_bandwidth
     assert a["dp_bandwidth"] == dp and a["p2p_latency"] == link.latency

@@ -68,6 +68,7 @@ def plan(
     slowdown: float = 1.0,
     tp_efficiency: float = 0.8,
     cores: float = 0,
+    straggle: float = 1.0,
     repeats: int = 3,
     profile: Profile | None = None,
     num_runners_up: int = 5,
@@ -105,7 +106,9 @@ def plan(
     compute ``slowdown`` when as many processes run at once as there are cores (``cores``:
     the local CPU cores the processes share, when fewer than them; the search then replays
     each candidate with every action at its share of the cores, ``meshpipe.plan.sharing``;
-    0, the default, gives each process a core or GPU of its own), the runtime's ``overhead``
+    0, the default, gives each process a core or GPU of its own; ``straggle``: there, how
+    much later than their mean the last of the processes ends, which a rank of dp replicas
+    adds to its end), the runtime's ``overhead``
     per action and ``step_overhead`` per step, ``dp_latency`` and ``dp_bandwidth`` as the
     runtime's own dp reduction costs it at two sizes (the link's all-reduce figure when
     that cannot be told from noise),
@@ -124,13 +127,13 @@ def plan(
     if isinstance(cores, bool) or not whole:
         raise PlanError(f"cores must be a whole number >= 0, got {cores!r}")
     cores = int(cores)  # a plan's assumptions hold it as a float
-    bad = step_overhead < 0 or overhead < 0 or dp_latency < 0
+    bad = step_overhead < 0 or overhead < 0 or dp_latency < 0 or not straggle >= 1
     if not slowdown > 0 or bad or not 0 <= tp_efficiency <= 1:
         raise PlanError(
-            f"slowdown must be > 0, the overheads and dp_latency >= 0 and tp_efficiency in "
-            f"[0, 1], got slowdown={slowdown!r}, overhead={overhead!r}, "
+            f"slowdown must be > 0, the overheads and dp_latency >= 0, straggle >= 1 and "
+            f"tp_efficiency in [0, 1], got slowdown={slowdown!r}, overhead={overhead!r}, "
             f"step_overhead={step_overhead!r}, dp_latency={dp_latency!r}, "
-            f"tp_efficiency={tp_efficiency!r}"
+            f"straggle={straggle!r}, tp_efficiency={tp_efficiency!r}"
         )
     _check_tp_plan(model, tp_plan)
     if profile is None:
@@ -157,6 +160,7 @@ def plan(
         together = bool(profile.notes.get("together"))
         slowdown = 1.0 if together else machine.slowdown
         cores = 0 if together else machine.cores
+        straggle = 1.0 if together else machine.straggle
         if math.isfinite(machine.dp_bandwidth):  # else not measured: the link's all-reduce
             dp_bandwidth, dp_latency = machine.dp_bandwidth, machine.dp_latency
         tp_efficiency = machine.tp_efficiency
@@ -165,7 +169,7 @@ def plan(
         p2p_bandwidth=p2p_bandwidth, dp_bandwidth=dp_bandwidth, dp_latency=dp_latency,
         overhead=overhead, fsdp=fsdp,
         slowdown=slowdown, step_overhead=step_overhead, tp_efficiency=tp_efficiency,
-        cores=cores,
+        cores=cores, straggle=straggle,
     )  # fmt: skip
     if measured is not None:
         from meshpipe.plan.calibrate import calibrated_profile

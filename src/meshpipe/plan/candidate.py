@@ -5,8 +5,9 @@ microbatch: ``batch / (mb * d)``, ``d`` the stage's dp processes (the layout's d
 stage mesh's). Checkpointing is switched on per stage only where
 the memory cap requires it. The simulator (``meshpipe.simulate``) gives the step's
 makespan (``plan/sharing.py``'s replay instead when the processes share fewer cores than
-they are, ``Settings.cores``); the data-parallel gradient reduction of each rank is added
-after its last action, and the runtime's fixed cost per step (``Settings.step_overhead``).
+they are, ``Settings.cores``, a rank of dp replicas then ending later by ``straggle - 1``
+times its busy time); the data-parallel gradient reduction of each rank is added after its
+last action, and the runtime's fixed cost per step (``Settings.step_overhead``).
 No torch.
 """
 
@@ -58,6 +59,7 @@ class Settings:
     slowdown: float = 1.0  # the profile's times x this: processes contending (caches, memory)
     step_overhead: float = 0.0  # seconds the runtime adds per step (call check, closing)
     cores: float = 0.0  # cores the processes share (plan/sharing.py); 0: one each (or a GPU)
+    straggle: float = 1.0  # sharing them, the last process ends this much after the mean
 
     def as_dict(self) -> dict[str, float]:
         """The machine figures (``FIGURES``), as a plan's ``assumptions`` records them."""
@@ -72,7 +74,7 @@ class Settings:
 
 FIGURES = (
     "p2p_latency", "p2p_bandwidth", "dp_bandwidth", "overhead", "tp_efficiency", "slowdown",
-    "step_overhead", "cores", "dp_latency",
+    "step_overhead", "cores", "dp_latency", "straggle",
 )  # fmt: skip
 
 
@@ -261,9 +263,10 @@ def _step_time(
         boundary = max(boundary, sums.pieces[bounds[s + 1] - 1].output.at(rows))
     p2p = st.p2p_latency + boundary / st.p2p_bandwidth
     ws = w if w is not None else [0.0] * len(f)
+    width = [layout.dp_of(r) * layout.tp for r in range(sched.num_ranks)]
+    shared = 0 < st.cores < sum(width)  # more processes than cores
     if st.cores > 0:  # processes share the cores: each action at its share of them
         table = {Op.F: f, Op.B: b, Op.I: [x - y for x, y in zip(b, ws)], Op.W: ws}
-        width = [layout.dp_of(r) * layout.tp for r in range(sched.num_ranks)]
         events = shared_replay(
             sched, lambda a: table[a.op][a.stage], p2p, width, int(st.cores)
         )  # fmt: skip
@@ -273,6 +276,10 @@ def _step_time(
     for r, row in enumerate(events):
         end = max((e.end for e in row), default=0.0)
         d = layout.dp_of(r)
+        if d > 1 and shared:
+            # the replay shares the cores evenly; the dp replicas of a rank meet only at the
+            # step's end, where they wait for the one the sharing favoured least
+            end += (st.straggle - 1.0) * sum(e.end - e.start for e in row)
         if d > 1:
             own = sched.stages_of(r)
             grads = sum(sums.grads[bounds[s + 1]] - sums.grads[bounds[s]] for s in own)

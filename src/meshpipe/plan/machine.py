@@ -37,6 +37,14 @@ others read 1.0 - 1.1 and 3.5 - 8 ms, and a plan made from it missed every targe
   (8 MiB alone until 2026-12-02) put a 4 MB model's reduction at 3.5 ms where it took
   about 6. Differences not above 0 (noise) give ``inf``: not measured.
 
+- **straggle** (only where the processes outnumber the cores): every process runs the
+  slowdown's workload ``STRAGGLE_RUNS`` times from one barrier, and the last to finish
+  ends this much later than their mean end (a ratio, the median of ``STRAGGLE_ROUNDS``):
+  the operating system shares the cores evenly only on average, so processes that meet
+  only at the step's end (dp replicas) wait for the one it favoured least. Here 4
+  processes on 2 cores read 1.17 - 1.23 (2026-12-04); the shared replay assumes even
+  sharing, so the planner adds ``(straggle - 1) x`` a dp rank's busy time to its end.
+
 - **tp_efficiency**: an MLP block (``TP_WIDTH`` wide, 4x inside, ``TP_ROWS`` rows) forward
   and backward alone in one process, then tensor-parallel over every process (DTensor,
   column- then row-wise); ``(speedup x slowdown - 1) / (n - 1)``, in [0, 1], as the planner
@@ -81,6 +89,7 @@ PROBE_WIDTH, PROBE_DEPTH, PROBE_ROWS = (
 ALONE_SECONDS = 0.3  # at most this long for rank 0's workload alone
 TP_WIDTH, TP_ROWS = 512, 128  # the tensor-parallel probe: an MLP block 4x wide
 PROBES = 3  # every figure measured this many times over; the planner takes the median
+STRAGGLE_RUNS, STRAGGLE_ROUNDS = 8, 9  # the workload's runs per round (about 15 ms alone here)
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,7 @@ class MachineCost:
     tp_efficiency: float = 0.8  # speedup at tp = t is 1 + (t - 1) x this
     cores: int = 0  # cores the processes share, when fewer than them (0: one each)
     dp_latency: float = 0.0  # seconds a gradient reduction costs beyond its bytes
+    straggle: float = 1.0  # the last process's end / their mean end, computing at once
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,6 +162,31 @@ def _slowdown(device: torch.device, repeats: int, together: int) -> float | None
         if alone and shared:
             ratios.append(shared / alone)
     return statistics.median(ratios) if ratios else None
+
+
+def _straggle(device: torch.device) -> float:
+    """How much later than their mean the last process ends when every process runs the
+    same work from one barrier (a ratio >= 1; the median of ``STRAGGLE_ROUNDS`` rounds; the
+    same on every process). Ends are read on the system's monotonic clock, which the local
+    processes share."""
+    import torch.distributed as dist
+
+    run = _workload(device)
+    run()  # warm-up
+    n = dist.get_world_size()
+    ratios = []
+    for _ in range(STRAGGLE_ROUNDS):
+        dist.barrier()
+        start = time.monotonic()
+        for _ in range(STRAGGLE_RUNS):
+            run()
+        mine = torch.tensor([start, time.monotonic()], dtype=torch.float64)
+        every = [torch.zeros(2, dtype=torch.float64) for _ in range(n)]
+        dist.all_gather(every, mine)
+        first = min(float(t[0]) for t in every)
+        ends = [float(t[1]) - first for t in every]
+        ratios.append(max(ends) / max(statistics.mean(ends), 1e-12))
+    return max(1.0, statistics.median(ratios))
 
 
 def _runtime_probe(device: torch.device, repeats: int, running: int) -> dict[str, Any]:
@@ -338,11 +373,12 @@ def _probe(device_type: str, repeats: int, cores: int, times: int = 1) -> list[d
     out = []
     for _ in range(times):
         slowdown = _slowdown(device, repeats, running)
+        straggle = _straggle(device) if running < n else 1.0  # fewer cores than processes
         exposed = _reduce_probe(device, repeats)
         speedup = _tp_probe(device, repeats)
         probe = _runtime_probe(device, repeats, running)
         out.append({
-            "rank": rank, "slowdown": slowdown, "exposed": exposed,
+            "rank": rank, "slowdown": slowdown, "straggle": straggle, "exposed": exposed,
             "tp_speedup": speedup, **probe,
         })  # fmt: skip
     return out
@@ -479,9 +515,10 @@ def measure_machine(
     cost = _median(found, n)
     log.info(
         "machine measured in %.1f s (the median of %d probes): %d processes on %s cores, "
-        "slowdown %.2f, overhead %.0f us per action, %.2f ms per step, dp reduction %.2f ms "
-        "+ %.2f GB/s, tp efficiency %.2f", time.perf_counter() - t0, probes, n,
-        cores or "their own", cost.slowdown, cost.overhead * 1e6, cost.step_overhead * 1e3,
+        "slowdown %.2f, straggle %.2f, overhead %.0f us per action, %.2f ms per step, dp "
+        "reduction %.2f ms + %.2f GB/s, tp efficiency %.2f", time.perf_counter() - t0, probes,
+        n, cores or "their own", cost.slowdown, cost.straggle, cost.overhead * 1e6,
+        cost.step_overhead * 1e3,
         cost.dp_latency * 1e3, cost.dp_bandwidth / 1e9, cost.tp_efficiency,
     )  # fmt: skip
     if not math.isfinite(cost.dp_bandwidth):
@@ -515,14 +552,16 @@ def _figures(
     own = speedup * (n / shared if shared else 1.0)
     tp_efficiency = min(1.0, max(0.0, (own * slowdown - 1.0) / (n - 1)))
     log.info(
-        "probe: slowdown %.2f, overhead %.0f us per action, %.2f ms per step, dp reduction %s, "
-        "tp efficiency %.2f", slowdown, overhead * 1e6, step * 1e3,
+        "probe: slowdown %.2f, straggle %.2f, overhead %.0f us per action, %.2f ms per step, "
+        "dp reduction %s, tp efficiency %.2f", slowdown, got[0]["straggle"], overhead * 1e6,
+        step * 1e3,
         ", ".join(f"{b >> 20} MiB {t * 1e3:.2f} ms" for b, t in zip(REDUCE_SIZES, exposed)),
         tp_efficiency,
     )  # fmt: skip
+    straggle = got[0]["straggle"] if shared else 1.0  # the same figure on every process
     cost = MachineCost(
         n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency, shared,
-        dp_latency,
+        dp_latency, straggle,
     )  # fmt: skip
     return cost, exposed
 
@@ -539,6 +578,7 @@ def _median(found: list[tuple[MachineCost, list[float]]], n: int) -> MachineCost
     return replace(
         runtime,
         slowdown=statistics.median(c.slowdown for c in costs),
+        straggle=statistics.median(c.straggle for c in costs),
         tp_efficiency=statistics.median(c.tp_efficiency for c in costs),
         dp_latency=dp_latency,
         dp_bandwidth=dp_bandwidth,
