@@ -204,10 +204,12 @@ def _label(d: dict[str, Any]) -> str:
     )
 
 
-def _predict(prof: Profile, plan: Plan, cfg: dict[str, Any]) -> float | None:
+def _predict(prof: Profile, plan: Plan, cfg: dict[str, Any], **figures: float) -> float | None:
     """The planner's prediction for a grid configuration (same profile, same machine
-    figures as the plan), or None when it cannot judge it."""
-    st = Settings(world_size=plan.world_size, **Settings.figures_of(plan.assumptions))
+    figures as the plan but ``figures``), or None when it cannot judge it."""
+    st = Settings(
+        world_size=plan.world_size, **{**Settings.figures_of(plan.assumptions), **figures}
+    )
     index = {p: k for k, p in enumerate(prof.points)}
     if any(p not in index for p in cfg["split_points"]):
         return None
@@ -302,8 +304,10 @@ def run_case(
         time_s = max(r[i]["time"] for r in results)
         peak = max(r[i]["peak"] for r in results)
         predicted = cfg["step_time"] or _predict(prof, plan, cfg)
+        # the same with the cores shared evenly (no straggle): what the straggle changed
+        even = _predict(prof, plan, cfg, straggle=1.0)
         rows.append({"config": _label(cfg), "time": time_s, "peak": peak,
-                     "predicted": predicted})  # fmt: skip
+                     "predicted": predicted, "predicted_even": even})  # fmt: skip
     chosen = rows[0]
     dflt = next(r for r in rows if r["config"] == _label(default))
     # the default as run under the cap: as it is if it fits as measured, else recomputing
@@ -327,6 +331,10 @@ def run_case(
         "profile_drift": drift,
         "calibrated": calibrate,
         "grid_ratios": sorted(r["predicted"] / r["time"] for r in rows if r["predicted"]),
+        "grid_ratios_even": sorted(
+            r["predicted_even"] / r["time"] for r in rows if r["predicted_even"]
+        ),
+        "predicted_even_vs_measured": (chosen["predicted_even"] or 0.0) / chosen["time"],
         "plan_peak_measured": chosen["peak"], "plan_peak_predicted": plan.peak_memory,
         "rows": rows,
     }  # fmt: skip
@@ -445,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
             f"planning {s['planning_s']:.1f} s, "
             f"the model's work profiled again after the grid: {s['profile_drift']:.2f}x the first"
             + _grid_line(s["grid_ratios"])
+            + (f" (with the cores shared evenly, no straggle: the plan's "
+               f"{s['predicted_even_vs_measured']:.2f}" + _grid_line(s["grid_ratios_even"]) + ")"
+               if s["grid_ratios_even"] != s["grid_ratios"] else "")
             + (f", peak {s['plan_peak_measured']} B measured vs {s['plan_peak_predicted']} "
                f"predicted, cap {s['cap']}" if s["cap"] else "")  # fmt: skip
         , flush=True)  # fmt: skip
