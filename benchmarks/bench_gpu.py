@@ -15,8 +15,10 @@ outside the timed region). Configurations, as measured in shared/measurements:
 - overhead: the same at width 64, 32 microbatches of 4 rows;
 - large: width 4096, 4 microbatches of 4096 rows (64 MiB per activation), Linear stages.
 
-Host syncs: synchronising CUDA calls (``torch.cuda.set_sync_debug_mode("warn")``) in one
-steady-state step of each runtime.
+Each case also steps meshpipe with ``check_inputs="shapes"`` (no input values compared): what
+the values check costs. Host syncs: synchronising CUDA calls
+(``torch.cuda.set_sync_debug_mode("warn")``) in one steady-state step of each runtime, and
+where each was made (``meshpipe.testing.cuda_syncs``).
 """
 
 from __future__ import annotations
@@ -145,13 +147,22 @@ def run_case(cfg: Config, name: str, mesh: Any, steps: int, device: torch.device
         copy.deepcopy(mods), mesh, name, num_microbatches=cfg.microbatches, loss_fn=mse,
         timeout=WAIT,
     )  # fmt: skip
+    # the same without the input values check (shapes compared only): what the check costs
+    shapes = meshpipe.Pipeline(
+        copy.deepcopy(mods), mesh, name, num_microbatches=cfg.microbatches, loss_fn=mse,
+        timeout=WAIT, check_inputs="shapes",
+    )  # fmt: skip
     tdp = build_torch(
         name, copy.deepcopy(mods), mesh.get_group("pp"), rank, cfg.microbatches, device
     )
     g = torch.Generator().manual_seed(1)
     shape = (cfg.microbatches * cfg.rows, cfg.width)
     x, y = torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device)
-    runners = {"meshpipe": lambda: pipe.step(x, target=y), "torch": lambda: tdp(x, y)}
+    runners = {
+        "meshpipe": lambda: pipe.step(x, target=y),
+        "torch": lambda: tdp(x, y),
+        "meshpipe_shapes": lambda: shapes.step(x, target=y),
+    }
     for fn in runners.values():  # warm-up (meshpipe's first step describes every stream)
         fn()
         fn()
@@ -179,6 +190,7 @@ def run_case(cfg: Config, name: str, mesh: Any, steps: int, device: torch.device
         "torch_ms": med["torch"] * 1e3,
         "ratio": statistics.median(ratios),
         "ratio_range": [min(ratios), max(ratios)],
+        "meshpipe_shapes_ms": med["meshpipe_shapes"] * 1e3,
         "host_syncs": syncs,
         "host_syncs_at": {k: w[:4] for k, w in where.items() if w},
     }
@@ -227,6 +239,12 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"| {r['ratio']:.2f} ({lo:.2f}-{hi:.2f}) | {s['meshpipe']} / {s['torch']} |"
         )
     for r in rows:
+        if "meshpipe_shapes_ms" in r:
+            lines.append(
+                f"\n{r['config']} {r['schedule']}: meshpipe with check_inputs='shapes' "
+                f"{r['meshpipe_shapes_ms']:.1f} ms "
+                f"(host syncs {r['host_syncs']['meshpipe_shapes']})"
+            )
         for who, where in r.get("host_syncs_at", {}).items():
             lines.append(f"\n{r['config']} {r['schedule']}, {who} waited at: " + "; ".join(where))
     return "\n".join(lines)
