@@ -42,8 +42,9 @@ others read 1.0 - 1.1 and 3.5 - 8 ms, and a plan made from it missed every targe
   ends this much later than their mean end (a ratio, the median of ``STRAGGLE_ROUNDS``):
   the operating system shares the cores evenly only on average, so processes that meet
   only at the step's end (dp replicas) wait for the one it favoured least. Here 4
-  processes on 2 cores read 1.17 - 1.23 (2026-12-04); the shared replay assumes even
-  sharing, so the planner adds ``(straggle - 1) x`` a dp rank's busy time to its end.
+  processes on 2 cores read 1.13 - 1.24 (the median of three probes, 2026-12-04); the
+  shared replay assumes even sharing, so the planner adds ``(straggle - 1) x`` a dp rank's
+  busy time to its end. 1.0 where each process has a core.
 
 - **tp_efficiency**: an MLP block (``TP_WIDTH`` wide, 4x inside, ``TP_ROWS`` rows) forward
   and backward alone in one process, then tensor-parallel over every process (DTensor,
@@ -558,7 +559,7 @@ def _figures(
         ", ".join(f"{b >> 20} MiB {t * 1e3:.2f} ms" for b, t in zip(REDUCE_SIZES, exposed)),
         tp_efficiency,
     )  # fmt: skip
-    straggle = got[0]["straggle"] if shared else 1.0  # the same figure on every process
+    straggle = got[0]["straggle"]  # the same figure on every process (1.0: not shared)
     cost = MachineCost(
         n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency, shared,
         dp_latency, straggle,
