@@ -300,12 +300,13 @@ def run_case(
     after = profile_model(model, args, target=target, loss_fn=loss_fn)
     drift = _work(after) / _work(prof)
     rows = []
+    uneven = plan.assumptions.get("straggle", 1.0) != 1.0  # else the same prediction again
     for i, cfg in enumerate(configs):
         time_s = max(r[i]["time"] for r in results)
         peak = max(r[i]["peak"] for r in results)
         predicted = cfg["step_time"] or _predict(prof, plan, cfg)
         # the same with the cores shared evenly (no straggle): what the straggle changed
-        even = _predict(prof, plan, cfg, straggle=1.0)
+        even = _predict(prof, plan, cfg, straggle=1.0) if uneven else predicted
         rows.append({"config": _label(cfg), "time": time_s, "peak": peak,
                      "predicted": predicted, "predicted_even": even})  # fmt: skip
     chosen = rows[0]

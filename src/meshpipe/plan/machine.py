@@ -552,14 +552,14 @@ def _figures(
     # cores where the n processes had fewer
     own = speedup * (n / shared if shared else 1.0)
     tp_efficiency = min(1.0, max(0.0, (own * slowdown - 1.0) / (n - 1)))
+    straggle = got[0]["straggle"]  # the same figure on every process (1.0: not shared)
     log.info(
         "probe: slowdown %.2f, straggle %.2f, overhead %.0f us per action, %.2f ms per step, "
-        "dp reduction %s, tp efficiency %.2f", slowdown, got[0]["straggle"], overhead * 1e6,
+        "dp reduction %s, tp efficiency %.2f", slowdown, straggle, overhead * 1e6,
         step * 1e3,
         ", ".join(f"{b >> 20} MiB {t * 1e3:.2f} ms" for b, t in zip(REDUCE_SIZES, exposed)),
         tp_efficiency,
     )  # fmt: skip
-    straggle = got[0]["straggle"]  # the same figure on every process (1.0: not shared)
     cost = MachineCost(
         n, slowdown, overhead, step, dp_bandwidth, tuple(points), tp_efficiency, shared,
         dp_latency, straggle,
