@@ -121,6 +121,22 @@ def default_plan(plan: Plan, model: nn.Module, pp: int, schedule: str, mb: int) 
     return d
 
 
+def _speed(model: nn.Module, args: tuple[Any, ...], target: Any, loss_fn: Any) -> float:
+    """Seconds (wall; the median of 3 - 9 after one untimed, as many as fit in about 0.25 s)
+    of one forward and backward of the whole model at the whole batch in this process: the
+    machine's speed, taken next to the profile and, with the other processes waiting, before
+    each configuration's timed steps, so that a prediction can be read at the speed the
+    machine had when it was measured (one such median varies by +-25 % on this machine)."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 4 or (len(times) < 10 and time.perf_counter() - start < 0.25):
+        t0 = time.perf_counter()
+        loss_fn(model(*args), target).backward()
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
 def _measure(
     case: str, configs: list[dict[str, Any]], steps: int, rounds: int
 ) -> list[dict[str, Any]]:
@@ -135,6 +151,8 @@ def _measure(
     torch.set_num_threads(1)
     base, args, target, loss_fn = model_case(case)
     times: list[list[float]] = [[] for _ in configs]
+    speeds: list[list[float]] = [[] for _ in configs]  # rank 0's _speed before each round's steps
+    probe = copy.deepcopy(base)
     peaks = [0] * len(configs)
     per_round = max(1, -(-steps // rounds))
     # the process warmed up first (untimed): the first configuration a fresh process ran
@@ -145,6 +163,11 @@ def _measure(
         pipe.zero_grad(set_to_none=False)
     del pipe
     gc.collect()
+    dist.barrier()  # the speed at the grid's start, in this process (see _speed)
+    start = 0.0
+    if dist.get_rank() == 0:  # the others wait, as at every configuration's probe
+        start = statistics.median(_speed(probe, args, target, loss_fn) for _ in range(3))
+    dist.barrier()
     for rnd in range(rounds):
         shift = rnd * len(configs) // rounds  # rounds start spread out: no place favoured
         for k in [*range(shift, len(configs)), *range(shift)]:
@@ -155,6 +178,9 @@ def _measure(
                 pipe.step(*mine[0], target=mine[1])
                 opt.step()
                 pipe.zero_grad(set_to_none=False)
+            dist.barrier()  # the machine's speed now, one process working as at the profile
+            if dist.get_rank() == 0:
+                speeds[k].append(_speed(probe, args, target, loss_fn))
             for _ in range(per_round):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -167,7 +193,15 @@ def _measure(
                 peaks[k] = pipe.memory_stats(optimizer=opt)["peak"]
             del pipe, opt
             gc.collect()
-    return [{"time": statistics.median(t), "peak": p} for t, p in zip(times, peaks)]
+    return [
+        {
+            "time": statistics.median(t),
+            "peak": p,
+            "speed": statistics.median(v) if v else None,
+            "start": start,
+        }
+        for t, p, v in zip(times, peaks, speeds)
+    ]
 
 
 def _built(
@@ -257,6 +291,8 @@ def run_case(
         prof = profile_together(model, args, {}, target, loss_fn, 3, world)
     else:
         prof = profile_model(model, args, target=target, loss_fn=loss_fn)
+    # the machine's speed at the profile (the median of 3: it is every ratio's denominator)
+    speed0 = statistics.median(_speed(model, args, target, loss_fn) for _ in range(3))
     plan = meshpipe.plan(
         model, args, target, loss_fn, world_size=world, memory_per_rank=cap, profile=prof,
         **machine,
@@ -299,6 +335,7 @@ def run_case(
     # (one process, CPU seconds), its work at the whole batch against the first one's
     after = profile_model(model, args, target=target, loss_fn=loss_fn)
     drift = _work(after) / _work(prof)
+    speed_after = statistics.median(_speed(model, args, target, loss_fn) for _ in range(3)) / speed0
     rows = []
     uneven = plan.assumptions.get("straggle", 1.0) != 1.0  # else the same prediction again
     for i, cfg in enumerate(configs):
@@ -307,8 +344,15 @@ def run_case(
         predicted = cfg["step_time"] or _predict(prof, plan, cfg)
         # the same with the cores shared evenly (no straggle): what the straggle changed
         even = _predict(prof, plan, cfg, straggle=1.0) if uneven else predicted
+        # the machine's speed as the configuration ran, against its speed at the profile
+        speed = results[0][i]["speed"] / speed0
+        # and against the speed the same process read at the grid's start: the drift within
+        # the grid alone (a spawned process read the same work 1.0 - 1.5x slower than the
+        # bench's own process did at the profile, whatever the machine did)
+        in_grid = results[0][i]["speed"] / results[0][i]["start"]
         rows.append({"config": _label(cfg), "time": time_s, "peak": peak,
-                     "predicted": predicted, "predicted_even": even})  # fmt: skip
+                     "predicted": predicted, "predicted_even": even, "speed": speed,
+                     "in_grid": in_grid})  # fmt: skip
     chosen = rows[0]
     dflt = next(r for r in rows if r["config"] == _label(default))
     # the default as run under the cap: as it is if it fits as measured, else recomputing
@@ -330,6 +374,18 @@ def run_case(
         "plan_vs_best_confirmed": confirmed,
         "predicted_vs_measured": plan.step_time / chosen["time"],
         "profile_drift": drift,
+        "speed_drift_after": speed_after,
+        # the predictions read at the machine's speed as each configuration ran (its wall
+        # seconds for the same forward and backward, against those at the profile)
+        "plan_speed": chosen["speed"],
+        "predicted_at_speed_vs_measured": plan.step_time * chosen["speed"] / chosen["time"],
+        "grid_ratios_at_speed": sorted(
+            r["predicted"] * r["speed"] / r["time"] for r in rows if r["predicted"]
+        ),
+        "grid_ratios_in_grid": sorted(
+            r["predicted"] * r["in_grid"] / r["time"] for r in rows if r["predicted"]
+        ),
+        "grid_start_speed": results[0][0]["start"] / speed0,
         "calibrated": calibrate,
         "grid_ratios": sorted(r["predicted"] / r["time"] for r in rows if r["predicted"]),
         "grid_ratios_even": sorted(
@@ -437,11 +493,17 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         out.append(s)
         print(f"\n## {case}, {args.world} ranks" + (f", cap {s['cap']} B" if s["cap"] else ""))
-        print("| config | measured ms | predicted ms | peak bytes |")
-        print("| --- | ---: | ---: | ---: |")
+        print(
+            "| config | measured ms | predicted ms | probe / profile's, grid start's | peak bytes |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: |")
         for r in s["rows"]:
             pred = "" if r["predicted"] is None else f"{r['predicted'] * 1e3:.1f}"
-            print(f"| {r['config']} | {r['time'] * 1e3:.1f} | {pred} | {r['peak']} |")
+            print(
+                f"| {r['config']} | {r['time'] * 1e3:.1f} | {pred} | {r['speed']:.2f}x, "
+                f"{r['in_grid']:.2f}x "
+                f"| {r['peak']} |"
+            )
         print(
             f"plan/default {s['plan_vs_default']:.2f}"
             + ("" if s["default_fits"] else
@@ -453,7 +515,13 @@ def main(argv: list[str] | None = None) -> int:
             f"predicted/measured {s['predicted_vs_measured']:.2f}, "
             f"planning {s['planning_s']:.1f} s, "
             f"the model's work profiled again after the grid: {s['profile_drift']:.2f}x the first"
+            f" (its forward and backward timed: {s['speed_drift_after']:.2f}x)"
             + _grid_line(s["grid_ratios"])
+            + f"; at the machine's speed as each ran (the plan's {s['plan_speed']:.2f}x the "
+            f"profile's): the plan's {s['predicted_at_speed_vs_measured']:.2f}"
+            + _grid_line(s["grid_ratios_at_speed"])
+            + f"; at the speed as each ran against the grid's start ({s['grid_start_speed']:.2f}x "
+            f"the profile's)" + _grid_line(s["grid_ratios_in_grid"])
             + (f" (with the cores shared evenly, no straggle: the plan's "
                f"{s['predicted_even_vs_measured']:.2f}" + _grid_line(s["grid_ratios_even"]) + ")"
                if s["grid_ratios_even"] != s["grid_ratios"] else "")
