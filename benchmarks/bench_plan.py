@@ -13,7 +13,9 @@ the cap as measured), predicted/measured, and, under a cap, the measured peak by
 (``pipe.memory_stats()``) against the cap and the prediction. Where another configuration
 measured faster than the plan, the plan and the ``--confirm`` fastest others are timed again
 in a run of their own (the fastest of some fifteen noisy medians reads low: the winner's
-curse), and plan/best is reported both ways.
+curse), and plan/best is reported both ways. Before each configuration's timed steps, rank 0
+times one forward and backward of the whole model (the others waiting): the predictions
+are also reported at that speed, against the profile's and the grid start's (``_speed``).
 
     .venv/bin/python benchmarks/bench_plan.py [--world 2] [--steps 12] [--rounds 4]
         [--json out.json] [--measure-p2p] [--measure-machine] [--calibrate]
