@@ -140,7 +140,7 @@ def _speed(model: nn.Module, args: tuple[Any, ...], target: Any, loss_fn: Any) -
 
 
 def _measure(
-    case: str, configs: list[dict[str, Any]], steps: int, rounds: int
+    case: str, configs: list[dict[str, Any]], steps: int, rounds: int, probe_speed: bool = True
 ) -> list[dict[str, Any]]:
     """On every rank: each config's median step time and this process's peak memory,
     measured as a user runs a configuration: one pipeline alive at a time (built, warmed up,
@@ -167,7 +167,8 @@ def _measure(
     gc.collect()
     dist.barrier()  # the speed at the grid's start, in this process (see _speed)
     start = 0.0
-    if dist.get_rank() == 0:  # the others wait, as at every configuration's probe
+    probing = probe_speed and dist.get_rank() == 0  # the others wait, as at each probe
+    if probing:
         start = statistics.median(_speed(probe, args, target, loss_fn) for _ in range(3))
     dist.barrier()
     for rnd in range(rounds):
@@ -180,9 +181,10 @@ def _measure(
                 pipe.step(*mine[0], target=mine[1])
                 opt.step()
                 pipe.zero_grad(set_to_none=False)
-            dist.barrier()  # the machine's speed now, one process working as at the profile
-            if dist.get_rank() == 0:
-                speeds[k].append(_speed(probe, args, target, loss_fn))
+            if probe_speed:  # the machine's speed now, one process working as at the profile
+                dist.barrier()
+                if probing:
+                    speeds[k].append(_speed(probe, args, target, loss_fn))
             for _ in range(per_round):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -414,7 +416,8 @@ def _confirm(
         return None
     index = {r["config"]: i for i, r in enumerate(rows)}
     chosen = [configs[0], *(configs[index[r["config"]]] for r in others)]
-    again = run_on_ranks(_measure, world, case, chosen, steps, rounds, timeout=2400)
+    # (no speed probe: only the times are compared here)
+    again = run_on_ranks(_measure, world, case, chosen, steps, rounds, False, timeout=2400)
     times = [max(r[i]["time"] for r in again) for i in range(len(chosen))]
     return {
         "ratio": times[0] / min(times[1:]),
